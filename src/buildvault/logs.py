@@ -1,0 +1,112 @@
+"""Logging: JSON lines on stderr, one per request at debug; a readable start-up banner at info.
+
+Every record is one JSON object per line (`ts`, `level`, `logger`, `msg` and any structured
+fields), so logs can be grepped by people and parsed by machines. The banner is the exception:
+a few plain lines saying what is listening where. Its first line,
+
+    buildvault ready: grpc=127.0.0.1:9092 http=127.0.0.1:8080
+
+is also the readiness signal tests and scripts wait for.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from typing import IO, Any
+
+BANNER_LOGGER = "buildvault.banner"
+REQUEST_LOGGER = "buildvault.request"
+READY_PREFIX = "buildvault ready:"
+
+_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+request_log = logging.getLogger(REQUEST_LOGGER)
+_banner_log = logging.getLogger(BANNER_LOGGER)
+
+# Structured fields of the request being handled (set by the RPC wrapper, filled by handlers).
+_fields: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("buildvault_request_fields", default=None)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        payload: dict[str, Any] = {
+            "ts": _timestamp(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if fields:
+            payload.update(fields)
+        if record.exc_info:
+            payload["exc"] = self.formatException(record.exc_info)
+        return json.dumps(payload, separators=(",", ":"), default=str)
+
+
+def _timestamp(created: float) -> str:
+    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+    return f"{seconds}.{int(created % 1 * 1000):03d}Z"
+
+
+def configure(level: str = "info", stream: IO[str] | None = None) -> None:
+    """Install the JSON handler on the `buildvault` logger tree and the plain banner handler."""
+    stream = stream or sys.stderr
+    root = logging.getLogger("buildvault")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    root.addHandler(handler)
+    root.setLevel(_LEVELS.get(level, logging.INFO))
+    root.propagate = False
+
+    for handler in list(_banner_log.handlers):
+        _banner_log.removeHandler(handler)
+    plain = logging.StreamHandler(stream)
+    plain.setFormatter(logging.Formatter("%(message)s"))
+    _banner_log.addHandler(plain)
+    _banner_log.setLevel(logging.INFO)
+    _banner_log.propagate = False
+
+
+def banner(lines: Iterable[str]) -> None:
+    """The readable start-up banner (info level)."""
+    _banner_log.info("\n".join(lines))
+
+
+def requests_enabled() -> bool:
+    return request_log.isEnabledFor(logging.DEBUG)
+
+
+def begin_request() -> contextvars.Token | None:
+    """Start collecting fields for this request (only when request logging is on)."""
+    if not requests_enabled():
+        return None
+    return _fields.set({})
+
+
+def note(**fields: Any) -> None:
+    """Attach structured fields to the current request's log line (no-op when logging is off)."""
+    current = _fields.get()
+    if current is not None:
+        current.update(fields)
+
+
+def end_request(token: contextvars.Token | None, method: str, code: str, started: float, peer: str | None) -> None:
+    """Emit the request's JSON line."""
+    if token is None:
+        return
+    fields = _fields.get() or {}
+    _fields.reset(token)
+    record = {"rpc": method, "code": code, "ms": round((time.perf_counter() - started) * 1000, 3)}
+    if peer:
+        record["peer"] = peer
+    record.update(fields)
+    request_log.debug("request", extra={"fields": record})

@@ -1,0 +1,44 @@
+"""ActionCache over gRPC: a thin adapter over `buildvault.actions.ActionCache`."""
+
+from __future__ import annotations
+
+import grpc
+
+from buildvault import logs
+from buildvault.actions import ActionCache
+from buildvault.digest import Digest, DigestFunction, verify_instance_name
+from buildvault.remote_apis import re_pb2
+from buildvault.server.grpc import rpc
+
+
+class ActionCacheService:
+    """build.bazel.remote.execution.v2.ActionCache."""
+
+    def __init__(self, cache: ActionCache) -> None:
+        self.cache = cache
+
+    @rpc("GetActionResult")
+    async def GetActionResult(
+        self, request: re_pb2.GetActionResultRequest, context: grpc.aio.ServicerContext
+    ) -> re_pb2.ActionResult:
+        instance_name = verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        digest = Digest.from_proto(request.action_digest, function)
+        logs.note(instance=instance_name, action=str(digest))
+        return await self.cache.get(
+            instance_name,
+            digest,
+            inline_stdout=request.inline_stdout,
+            inline_stderr=request.inline_stderr,
+            inline_output_files=request.inline_output_files,
+        )
+
+    @rpc("UpdateActionResult")
+    async def UpdateActionResult(
+        self, request: re_pb2.UpdateActionResultRequest, context: grpc.aio.ServicerContext
+    ) -> re_pb2.ActionResult:
+        instance_name = verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        digest = Digest.from_proto(request.action_digest, function)
+        logs.note(instance=instance_name, action=str(digest))
+        return await self.cache.update(instance_name, digest, request.action_result)

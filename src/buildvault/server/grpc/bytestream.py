@@ -1,0 +1,338 @@
+"""google.bytestream.ByteStream over the CAS: streaming Read, resumable Write, QueryWriteStatus.
+
+Writes stream straight into `BlobStore.write` through a small bounded queue, so memory does
+not grow with the blob. Each upload is an `Upload` keyed by its resource name
+(`{instance}/uploads/{uuid}/...`): if the Write stream breaks before `finish_write`, the
+upload stays alive for a grace period, QueryWriteStatus reports how much was committed, and
+a new Write whose `write_offset` equals that continues the same pending store write. An
+upload that is not continued in time is cancelled, and a cancelled store write publishes
+nothing.
+
+Offsets of `compressed-blobs/zstd/...` uploads count compressed bytes (what the spec and
+Bazel use after the first request); the uncompressed digest is what the store verifies.
+A Write for a blob that is already stored completes at once with committed_size equal to
+the blob size (uncompressed) or -1 (compressed), as the spec says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from buildvault import logs
+from buildvault.actions import find_missing, is_empty
+from buildvault.digest import ResourceName, parse_read_resource, parse_write_resource
+from buildvault.remote_apis import bs_pb2
+from buildvault.server import errors
+from buildvault.server.grpc import READ_CHUNK_SIZE, rpc, zstd_compress_stream, zstd_decompress_stream
+from buildvault.storage import BlobStore, InvalidRange, StorageError
+
+log = logging.getLogger("buildvault.bytestream")
+
+# How long a Write stream that broke before finish_write stays resumable.
+DEFAULT_UPLOAD_GRACE = 60.0
+# Pieces buffered between the network and the store per upload (backpressure beyond that).
+QUEUE_DEPTH = 8
+# Finished uploads remembered for QueryWriteStatus.
+COMPLETED_MEMORY = 10_000
+
+_END = object()
+
+
+class UploadAborted(StorageError):
+    """The upload was abandoned (no resumption within the grace period, or shutdown)."""
+
+
+class AlreadyStored(Exception):
+    """The store completed the write without needing more data: the blob is already there."""
+
+
+def _upload_key(resource: ResourceName) -> tuple:
+    digest = resource.digest
+    return (resource.instance_name, resource.upload_id, resource.compressor, digest.key, digest.size_bytes)
+
+
+class Upload:
+    """One resumable upload: a pending `store.write` fed through a queue by Write streams."""
+
+    def __init__(self, manager: Uploads, key: tuple, resource: ResourceName) -> None:
+        self.manager = manager
+        self.key = key
+        self.resource = resource
+        self.digest = resource.digest
+        self.committed = 0  # bytes accepted, as the client counts them (compressed for zstd)
+        self.attached = False
+        self.finishing = False
+        self.early = False  # the store had the blob before this upload sent everything
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
+        self._expiry: asyncio.TimerHandle | None = None
+        source: AsyncIterator[bytes] = self._source()
+        if resource.compressor == "zstd":
+            source = zstd_decompress_stream(source, self.digest.size_bytes)
+        self.task = asyncio.create_task(manager.blobs.write(self.digest, source), name=f"upload {self.digest}")
+        self.task.add_done_callback(self._done)
+
+    async def _source(self) -> AsyncIterator[bytes]:
+        queue = self._queue
+        while True:
+            item = await queue.get()
+            if item is _END:
+                return
+            yield item
+
+    def _done(self, task: asyncio.Task) -> None:
+        # Wake a feeder blocked on a full queue: the store no longer reads it.
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._cancel_expiry()
+        self.manager._forget(self)
+        if not task.cancelled() and task.exception() is None:
+            if not self.finishing:
+                self.early = True
+            self.manager._remember(self.key, self.response_size())
+
+    def response_size(self) -> int:
+        """committed_size to report once the blob is stored."""
+        if not self.early:
+            return self.committed
+        return -1 if self.resource.compressor is not None else self.digest.size_bytes
+
+    def _failure(self) -> BaseException:
+        if self.task.cancelled():
+            return UploadAborted(f"upload of {self.digest} was abandoned")
+        return self.task.exception() or UploadAborted(f"upload of {self.digest} ended before finish_write")
+
+    async def feed(self, data: bytes) -> None:
+        if self.task.done():
+            if not self.task.cancelled() and self.task.exception() is None:
+                raise AlreadyStored()
+            raise self._failure()
+        await self._queue.put(data)
+        self.committed += len(data)
+
+    async def finish(self) -> None:
+        """No more data: wait until the store verified and published the blob (or refused it)."""
+        if self.task.done() and not self.task.cancelled() and self.task.exception() is None:
+            self.early = True
+        self.finishing = True
+        if not self.task.done():
+            await self._queue.put(_END)
+        try:
+            # A client that disconnects now does not undo its upload.
+            await asyncio.shield(self.task)
+        except asyncio.CancelledError:
+            if self.task.cancelled():
+                raise UploadAborted(f"upload of {self.digest} was abandoned") from None
+            raise
+
+    def attach(self) -> None:
+        self._cancel_expiry()
+        self.attached = True
+
+    def detach(self) -> None:
+        """The feeding stream went away: stay resumable for the grace period."""
+        self.attached = False
+        if self.task.done() or self.finishing:
+            return
+        self._cancel_expiry()
+        self._expiry = asyncio.get_running_loop().call_later(self.manager.grace, self.abort)
+
+    def abort(self) -> None:
+        """Abandon the upload: the store write is cancelled and nothing becomes visible."""
+        self._cancel_expiry()
+        if not self.task.done():
+            self.task.cancel()
+        self.manager._forget(self)
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+
+class Uploads:
+    """The uploads in progress, by resource name, and the recently finished ones."""
+
+    def __init__(self, blobs: BlobStore, grace: float = DEFAULT_UPLOAD_GRACE) -> None:
+        self.blobs = blobs
+        self.grace = grace
+        self._active: dict[tuple, Upload] = {}
+        self._completed: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+
+    def get(self, key: tuple) -> Upload | None:
+        return self._active.get(key)
+
+    def start(self, key: tuple, resource: ResourceName) -> Upload:
+        upload = Upload(self, key, resource)
+        self._active[key] = upload
+        self._completed.pop(key, None)
+        return upload
+
+    def completed(self, key: tuple) -> int | None:
+        return self._completed.get(key)
+
+    def _forget(self, upload: Upload) -> None:
+        if self._active.get(upload.key) is upload:
+            del self._active[upload.key]
+
+    def _remember(self, key: tuple, committed: int) -> None:
+        self._completed[key] = committed
+        self._completed.move_to_end(key)
+        while len(self._completed) > COMPLETED_MEMORY:
+            self._completed.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    async def close(self) -> None:
+        """Abort every unfinished upload and wait for the store writes to unwind."""
+        uploads = list(self._active.values())
+        for upload in uploads:
+            if not upload.finishing:
+                upload.abort()
+        if uploads:
+            await asyncio.gather(*(u.task for u in uploads), return_exceptions=True)
+
+
+class ByteStreamService:
+    """google.bytestream.ByteStream for blobs: Read, Write, QueryWriteStatus."""
+
+    def __init__(self, blobs: BlobStore, uploads: Uploads | None = None) -> None:
+        self.blobs = blobs
+        self.uploads = uploads or Uploads(blobs)
+
+    async def _exists(self, resource: ResourceName) -> bool:
+        return not await find_missing(self.blobs, [resource.digest])
+
+    @rpc("Read")
+    async def Read(self, request: bs_pb2.ReadRequest, context: grpc.aio.ServicerContext) -> None:
+        resource = parse_read_resource(request.resource_name)
+        digest = resource.digest
+        offset, limit = request.read_offset, request.read_limit
+        if offset < 0:
+            raise errors.OutOfRange(f"read_offset {offset} is negative")
+        if limit < 0:
+            raise errors.InvalidArgument(f"read_limit {limit} is negative")
+        if resource.compressor is not None and limit != 0:
+            raise errors.InvalidArgument("read_limit must be 0 when reading compressed-blobs")
+        if offset > digest.size_bytes:
+            raise errors.OutOfRange(f"read_offset {offset} is past the end of {digest}")
+        logs.note(resource=str(digest), offset=offset, limit=limit, compressor=resource.compressor)
+        if is_empty(digest):
+            chunks: AsyncIterator[bytes] = _nothing()
+        else:
+            try:
+                chunks = await self.blobs.read(digest, offset, limit)
+            except InvalidRange as e:
+                raise errors.OutOfRange(str(e)) from None
+        if resource.compressor is not None:
+            chunks = zstd_compress_stream(chunks, digest.size_bytes - offset)
+        sent = 0
+        async for chunk in chunks:
+            if len(chunk) <= READ_CHUNK_SIZE:
+                await context.write(bs_pb2.ReadResponse(data=chunk))
+            else:
+                view = memoryview(chunk)
+                for start in range(0, len(chunk), READ_CHUNK_SIZE):
+                    await context.write(bs_pb2.ReadResponse(data=bytes(view[start : start + READ_CHUNK_SIZE])))
+            sent += len(chunk)
+        logs.note(bytes=sent)
+
+    @rpc("Write")
+    async def Write(self, requests: AsyncIterator[bs_pb2.WriteRequest], context: grpc.aio.ServicerContext):
+        iterator = requests.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            raise errors.InvalidArgument("Write stream with no request") from None
+        name = first.resource_name
+        resource = parse_write_resource(name)
+        key = _upload_key(resource)
+        compressed = resource.compressor is not None
+        offset = first.write_offset
+        logs.note(resource=str(resource.digest), offset=offset, compressor=resource.compressor)
+
+        upload = self.uploads.get(key)
+        if upload is not None and upload.attached:
+            raise errors.Aborted(f"another Write stream is feeding {name[:200]}")
+        if upload is not None and offset != upload.committed:
+            if offset != 0:
+                raise errors.InvalidArgument(
+                    f"write_offset {offset} does not match the committed size {upload.committed} of {name[:200]}"
+                )
+            upload.abort()  # the client starts over
+            upload = None
+        if upload is None:
+            if await self._exists(resource):
+                return bs_pb2.WriteResponse(committed_size=-1 if compressed else resource.digest.size_bytes)
+            if offset != 0:
+                raise errors.InvalidArgument(
+                    f"write_offset {offset} but nothing is committed for {name[:200]}; start at 0"
+                )
+            upload = self.uploads.start(key, resource)
+
+        upload.attach()
+        try:
+            request = first
+            while True:
+                if request.resource_name and request.resource_name != name:
+                    upload.abort()
+                    raise errors.InvalidArgument("resource_name changed within one Write stream")
+                if request.write_offset != upload.committed:
+                    upload.abort()
+                    raise errors.InvalidArgument(
+                        f"write_offset {request.write_offset} does not match the committed size {upload.committed}"
+                    )
+                if request.data:
+                    try:
+                        await upload.feed(request.data)
+                    except AlreadyStored:
+                        logs.note(bytes=upload.committed, complete=True, early=True)
+                        return bs_pb2.WriteResponse(committed_size=upload.response_size())
+                if request.finish_write:
+                    await upload.finish()
+                    logs.note(bytes=upload.committed, complete=True)
+                    return bs_pb2.WriteResponse(committed_size=upload.response_size())
+                try:
+                    request = await iterator.__anext__()
+                except StopAsyncIteration:
+                    break
+            # The client closed its side without finish_write: the upload stays resumable.
+            logs.note(bytes=upload.committed, complete=False)
+            return bs_pb2.WriteResponse(committed_size=upload.committed)
+        except (asyncio.CancelledError, grpc.aio.AbortError, errors.RequestError):
+            raise
+        except Exception as exc:
+            # The store refused the data (mismatch, capacity, ...) or the stream broke: a write
+            # that failed for any reason other than a vanished client is not resumable.
+            if not isinstance(exc, (ConnectionError, EOFError)):
+                upload.abort()
+            raise
+        finally:
+            upload.detach()
+
+    @rpc("QueryWriteStatus")
+    async def QueryWriteStatus(
+        self, request: bs_pb2.QueryWriteStatusRequest, context: grpc.aio.ServicerContext
+    ) -> bs_pb2.QueryWriteStatusResponse:
+        resource = parse_write_resource(request.resource_name)
+        key = _upload_key(resource)
+        upload = self.uploads.get(key)
+        if upload is not None:
+            return bs_pb2.QueryWriteStatusResponse(committed_size=upload.committed, complete=False)
+        committed = self.uploads.completed(key)
+        if committed is not None:
+            return bs_pb2.QueryWriteStatusResponse(committed_size=committed, complete=True)
+        if await self._exists(resource):
+            size = -1 if resource.compressor is not None else resource.digest.size_bytes
+            return bs_pb2.QueryWriteStatusResponse(committed_size=size, complete=True)
+        return bs_pb2.QueryWriteStatusResponse(committed_size=0, complete=False)
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover

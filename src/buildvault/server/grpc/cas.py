@@ -1,0 +1,244 @@
+"""ContentAddressableStorage over gRPC: FindMissingBlobs, batch update/read, GetTree."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from buildvault import logs
+from buildvault.actions import find_missing, is_empty, read_blob
+from buildvault.digest import Digest, DigestFunction, InvalidDigest, verify_instance_name
+from buildvault.remote_apis import re_pb2
+from buildvault.server import errors
+from buildvault.server.grpc import (
+    MAX_BATCH_TOTAL_SIZE,
+    offload,
+    rpc,
+    zstd_compress,
+    zstd_decompress,
+)
+from buildvault.storage import BlobStore, NotFound
+
+IDENTITY = re_pb2.Compressor.IDENTITY
+ZSTD = re_pb2.Compressor.ZSTD
+
+# A compressed BatchUpdateBlobs entry may expand to at most this many bytes (bigger blobs
+# belong on ByteStream): bounds the memory one request can make the server allocate.
+MAX_BATCH_BLOB_UNCOMPRESSED = 64 << 20
+# GetTree: directories per response when the client does not say, and the most we send at once.
+DEFAULT_TREE_PAGE = 1000
+MAX_TREE_PAGE = 10_000
+# GetTree: Directory blobs read concurrently, and the payload bytes per response page.
+TREE_READ_PARALLELISM = 64
+MAX_TREE_PAGE_BYTES = MAX_BATCH_TOTAL_SIZE
+_TOKEN_PREFIX = "t1."
+
+
+def parse_digests(messages: Sequence[re_pb2.Digest], function: DigestFunction) -> list[Digest]:
+    return [Digest.parse(m.hash, m.size_bytes, function) for m in messages]
+
+
+async def _single(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+class CasService:
+    """build.bazel.remote.execution.v2.ContentAddressableStorage."""
+
+    def __init__(self, blobs: BlobStore, max_batch_total_size: int = MAX_BATCH_TOTAL_SIZE) -> None:
+        self.blobs = blobs
+        self.max_batch_total_size = max_batch_total_size
+
+    @rpc("FindMissingBlobs")
+    async def FindMissingBlobs(
+        self, request: re_pb2.FindMissingBlobsRequest, context: grpc.aio.ServicerContext
+    ) -> re_pb2.FindMissingBlobsResponse:
+        verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        digests = parse_digests(request.blob_digests, function)
+        missing = await find_missing(self.blobs, digests)
+        logs.note(digests=len(digests), missing=len(missing))
+        response = re_pb2.FindMissingBlobsResponse()
+        add = response.missing_blob_digests.add
+        for digest in missing:
+            add(hash=digest.hash, size_bytes=digest.size_bytes)
+        return response
+
+    @rpc("BatchUpdateBlobs")
+    async def BatchUpdateBlobs(
+        self, request: re_pb2.BatchUpdateBlobsRequest, context: grpc.aio.ServicerContext
+    ) -> re_pb2.BatchUpdateBlobsResponse:
+        verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        total = sum(len(entry.data) for entry in request.requests)
+        if total > self.max_batch_total_size:
+            raise errors.InvalidArgument(
+                f"BatchUpdateBlobs carries {total} bytes, over the advertised max_batch_total_size_bytes "
+                f"{self.max_batch_total_size}: split the batch or use ByteStream.Write"
+            )
+        outcomes = await asyncio.gather(*(self._update_one(entry, function) for entry in request.requests))
+        logs.note(blobs=len(request.requests), bytes=total, failed=sum(1 for o in outcomes if o is not None))
+        response = re_pb2.BatchUpdateBlobsResponse()
+        for entry, outcome in zip(request.requests, outcomes):
+            item = response.responses.add()
+            item.digest.CopyFrom(entry.digest)
+            item.status.CopyFrom(errors.rpc_status(outcome))
+        return response
+
+    async def _update_one(
+        self, entry: re_pb2.BatchUpdateBlobsRequest.Request, function: DigestFunction
+    ) -> Exception | None:
+        try:
+            digest = Digest.from_proto(entry.digest, function)
+            data = entry.data
+            if entry.compressor == ZSTD:
+                if digest.size_bytes > MAX_BATCH_BLOB_UNCOMPRESSED:
+                    raise errors.InvalidArgument(
+                        f"blob {digest} is too large for a compressed batch entry; use ByteStream.Write"
+                    )
+                data = await offload(zstd_decompress, data, digest.size_bytes)
+            elif entry.compressor != IDENTITY:
+                raise errors.InvalidArgument(f"unsupported compressor {entry.compressor}; this server supports zstd")
+            await self.blobs.write(digest, _single(data))
+            return None
+        except Exception as exc:  # noqa: BLE001 - per-blob status
+            if errors.is_internal(exc):
+                errors.log.error("BatchUpdateBlobs: internal error on one blob", exc_info=exc)
+            return exc
+
+    @rpc("BatchReadBlobs")
+    async def BatchReadBlobs(
+        self, request: re_pb2.BatchReadBlobsRequest, context: grpc.aio.ServicerContext
+    ) -> re_pb2.BatchReadBlobsResponse:
+        verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        total = sum(max(0, d.size_bytes) for d in request.digests)
+        if total > self.max_batch_total_size:
+            raise errors.InvalidArgument(
+                f"BatchReadBlobs asks for {total} bytes, over the advertised max_batch_total_size_bytes "
+                f"{self.max_batch_total_size}: split the batch or use ByteStream.Read"
+            )
+        compress = ZSTD in request.acceptable_compressors
+        outcomes = await asyncio.gather(*(self._read_one(m, function, compress) for m in request.digests))
+        logs.note(blobs=len(request.digests), bytes=total)
+        response = re_pb2.BatchReadBlobsResponse()
+        for message, (data, compressor, outcome) in zip(request.digests, outcomes):
+            item = response.responses.add()
+            item.digest.CopyFrom(message)
+            item.status.CopyFrom(errors.rpc_status(outcome))
+            if outcome is None:
+                item.data = data
+                item.compressor = compressor
+        return response
+
+    async def _read_one(
+        self, message: re_pb2.Digest, function: DigestFunction, compress: bool
+    ) -> tuple[bytes, int, Exception | None]:
+        try:
+            digest = Digest.from_proto(message, function)
+            data = await read_blob(self.blobs, digest)
+            if compress:
+                return await offload(zstd_compress, data), ZSTD, None
+            return data, IDENTITY, None
+        except Exception as exc:  # noqa: BLE001 - per-blob status
+            if errors.is_internal(exc):
+                errors.log.error("BatchReadBlobs: internal error on one blob", exc_info=exc)
+            return b"", IDENTITY, exc
+
+    @rpc("GetTree")
+    async def GetTree(self, request: re_pb2.GetTreeRequest, context: grpc.aio.ServicerContext) -> None:
+        verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        root = Digest.from_proto(request.root_digest, function)
+        if request.page_size < 0:
+            raise errors.InvalidArgument(f"page_size {request.page_size} is negative")
+        page_size = min(request.page_size or DEFAULT_TREE_PAGE, MAX_TREE_PAGE)
+        if request.page_token:
+            queue = deque(_decode_token(request.page_token, root))
+        else:
+            queue = deque([root])
+        seen: set[Digest] = set(queue)
+        first_call = not request.page_token
+        page: list[re_pb2.Directory] = []
+        page_bytes = 0
+        pages = directories = 0
+
+        async def flush(remaining: list[Digest]) -> None:
+            nonlocal page, page_bytes, pages
+            token = _encode_token(remaining, root) if remaining else ""
+            await context.write(re_pb2.GetTreeResponse(directories=page, next_page_token=token))
+            pages += 1
+            page, page_bytes = [], 0
+
+        while queue:
+            take = min(TREE_READ_PARALLELISM, page_size - len(page), len(queue))
+            batch = [queue.popleft() for _ in range(take)]
+            blobs = await asyncio.gather(*(read_blob(self.blobs, d) for d in batch), return_exceptions=True)
+            for index, (digest, data) in enumerate(zip(batch, blobs)):
+                if isinstance(data, BaseException):
+                    if not isinstance(data, NotFound):
+                        raise data
+                    if first_call and digest == root:
+                        raise NotFound(f"GetTree root directory {root} is not in the CAS")
+                    continue  # the spec: return the part of the tree that is present
+                try:
+                    directory = re_pb2.Directory.FromString(data)
+                except DecodeError:
+                    if first_call and digest == root:
+                        raise errors.InvalidArgument(f"GetTree root {root} is not a Directory message") from None
+                    continue
+                if page and page_bytes + len(data) > MAX_TREE_PAGE_BYTES:
+                    await flush([*batch[index:], *queue])
+                page.append(directory)
+                page_bytes += len(data)
+                directories += 1
+                for node in directory.directories:
+                    try:
+                        child = Digest.from_proto(node.digest, function)
+                    except InvalidDigest:
+                        continue
+                    if child not in seen:
+                        seen.add(child)
+                        queue.append(child)
+            if len(page) >= page_size and queue:
+                await flush(list(queue))
+        if page or pages == 0:
+            await flush([])
+        logs.note(root=str(root), directories=directories, pages=pages)
+
+    async def SplitBlob(self, request: re_pb2.SplitBlobRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SplitBlob is not supported (split_blob_support=false)")
+
+    async def SpliceBlob(self, request: re_pb2.SpliceBlobRequest, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SpliceBlob is not supported (splice_blob_support=false)")
+
+
+def _encode_token(pending: list[Digest], root: Digest) -> str:
+    """A page token: the directories still to visit, bound to the root they belong to."""
+    state = re_pb2.FindMissingBlobsRequest(
+        instance_name=f"{root.hash}/{root.size_bytes}",
+        blob_digests=[re_pb2.Digest(hash=d.hash, size_bytes=d.size_bytes) for d in pending],
+        digest_function=root.function.wire,
+    )
+    packed = zlib.compress(state.SerializeToString(), 6)
+    return _TOKEN_PREFIX + base64.urlsafe_b64encode(packed).decode("ascii")
+
+
+def _decode_token(token: str, root: Digest) -> list[Digest]:
+    if not token.startswith(_TOKEN_PREFIX):
+        raise errors.InvalidArgument("invalid GetTree page_token")
+    try:
+        packed = base64.urlsafe_b64decode(token[len(_TOKEN_PREFIX) :].encode("ascii"))
+        state = re_pb2.FindMissingBlobsRequest.FromString(zlib.decompress(packed))
+        if state.instance_name != f"{root.hash}/{root.size_bytes}" or state.digest_function != root.function.wire:
+            raise errors.InvalidArgument("GetTree page_token belongs to another root_digest")
+        return parse_digests(state.blob_digests, root.function)
+    except (binascii.Error, ValueError, zlib.error, DecodeError):
+        raise errors.InvalidArgument("invalid GetTree page_token") from None
