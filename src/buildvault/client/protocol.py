@@ -1,0 +1,66 @@
+"""Launcher <-> agent wire format: 4-byte big-endian length + one marshal'ed dict.
+
+Only builtin modules (marshal, _socket): the launcher starts once per compile and every
+import costs milliseconds. Both ends run the same interpreter (the socket name includes
+sys.executable), so marshal's version-specific format is fine; the socket lives in a 0700
+directory, so only the same user can talk to the agent.
+
+    launcher -> {"op": "compile", "argv", "cwd", "env"}
+    agent    -> {"op": "bypass", "reason", "warning"?}            run the line untouched
+             |  {"op": "hit", "exit", "stdout", "stderr", ...}     outputs already written
+             |  {"op": "run", "argv", "token"}                     run this argv, capture, report:
+    launcher -> {"op": "done", "token", "exit", "stdout", "stderr", "seconds"}
+    agent    -> {"status": "MISS", "reason", "digest"?, "outputs"?, "warning"?}
+"""
+
+from __future__ import annotations
+
+import marshal
+import os
+
+MAX_MESSAGE = 256 * 1024 * 1024
+
+
+def send(sock, message: dict) -> None:
+    data = marshal.dumps(message)
+    sock.sendall(len(data).to_bytes(4, "big") + data)
+
+
+def _recv_exact(sock, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv(sock) -> dict | None:
+    header = _recv_exact(sock, 4)
+    if header is None:
+        return None
+    n = int.from_bytes(header, "big")
+    if n > MAX_MESSAGE:
+        raise OSError("message too large")
+    body = _recv_exact(sock, n)
+    if body is None:
+        return None
+    try:
+        message = marshal.loads(body)
+    except (ValueError, EOFError, TypeError):
+        raise OSError("malformed message") from None
+    if not isinstance(message, dict):
+        raise OSError("malformed message")
+    return message
+
+
+def agent_dir() -> str:
+    base = os.environ.get("BUILDVAULT_AGENT_DIR")
+    if base:
+        return base
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "buildvault-cc")
+    return f"/tmp/buildvault-cc-{os.getuid()}"

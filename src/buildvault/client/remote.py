@@ -1,0 +1,209 @@
+"""A small synchronous REAPI v2 client (ActionCache, CAS, ByteStream) with bounded deadlines.
+
+Every call raises `RemoteError` on anything but success or a plain NOT_FOUND, so the caller
+can fail open: compile locally and warn once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+import grpc
+
+from buildvault.digest import Digest, DigestFunction
+from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
+
+# Stay well under the 4 MiB default gRPC message limit of most servers.
+BATCH_LIMIT = 2 * 1024 * 1024
+CHUNK = 1024 * 1024
+
+
+class RemoteError(Exception):
+    """The remote cache failed, timed out or answered something unusable."""
+
+
+def parse_remote(url: str) -> str:
+    """`grpc://host:port` (or plain `host:port`) -> gRPC target."""
+    url = url.strip()
+    for scheme in ("grpc://", "grpcs://"):
+        if url.startswith(scheme):
+            if scheme == "grpcs://":
+                raise RemoteError("grpcs:// is not supported by buildvault-cc yet; use grpc://")
+            url = url[len(scheme):]
+    url = url.rstrip("/")
+    if not url or ":" not in url:
+        raise RemoteError(f"BUILDVAULT_REMOTE={url!r}: want grpc://host:port")
+    return url
+
+
+def to_proto(d: Digest) -> re_pb2.Digest:
+    return re_pb2.Digest(hash=d.hash, size_bytes=d.size_bytes)
+
+
+def from_proto(p: re_pb2.Digest) -> Digest:
+    return Digest.parse(p.hash, p.size_bytes, DigestFunction.SHA256)
+
+
+class Remote:
+    def __init__(self, url: str, instance: str = "", timeout: float = 5.0, upload_timeout: float = 30.0):
+        self.target = parse_remote(url)
+        self.instance = instance
+        self.timeout = timeout
+        self.upload_timeout = upload_timeout
+        options = [
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            # Reconnect quickly once a restarted server is back.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+            ("grpc.enable_http_proxy", 0),
+        ]
+        self.channel = grpc.insecure_channel(self.target, options=options)
+        self.ac = re_grpc.ActionCacheStub(self.channel)
+        self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
+        self.bs = bs_grpc.ByteStreamStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    # -- action cache ------------------------------------------------------------------------
+    def get_action_result(self, digest: Digest) -> re_pb2.ActionResult | None:
+        request = re_pb2.GetActionResultRequest(
+            instance_name=self.instance, action_digest=to_proto(digest), inline_stdout=True, inline_stderr=True
+        )
+        try:
+            return self.ac.GetActionResult(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise RemoteError(f"GetActionResult: {e.code().name}: {e.details()}") from None
+
+    def update_action_result(self, digest: Digest, result: re_pb2.ActionResult) -> None:
+        request = re_pb2.UpdateActionResultRequest(
+            instance_name=self.instance, action_digest=to_proto(digest), action_result=result
+        )
+        try:
+            self.ac.UpdateActionResult(request, timeout=self.upload_timeout)
+        except grpc.RpcError as e:
+            raise RemoteError(f"UpdateActionResult: {e.code().name}: {e.details()}") from None
+
+    # -- CAS ---------------------------------------------------------------------------------
+    def find_missing(self, digests: Iterable[Digest]) -> set[Digest]:
+        unique = list(dict.fromkeys(d for d in digests if d.size_bytes > 0))
+        missing: set[Digest] = set()
+        for start in range(0, len(unique), 5000):
+            part = unique[start:start + 5000]
+            request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance, blob_digests=[to_proto(d) for d in part])
+            try:
+                response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout)
+            except grpc.RpcError as e:
+                raise RemoteError(f"FindMissingBlobs: {e.code().name}: {e.details()}") from None
+            missing.update(from_proto(d) for d in response.missing_blob_digests)
+        return missing
+
+    def upload(self, blobs: dict[Digest, bytes]) -> None:
+        """Upload the given blobs (caller already filtered with find_missing)."""
+        batch: list[tuple[Digest, bytes]] = []
+        size = 0
+        for digest, data in blobs.items():
+            if digest.size_bytes == 0:
+                continue
+            if digest.size_bytes > BATCH_LIMIT:
+                self._write(digest, data)
+                continue
+            if size + digest.size_bytes > BATCH_LIMIT and batch:
+                self._batch_update(batch)
+                batch, size = [], 0
+            batch.append((digest, data))
+            size += digest.size_bytes
+        if batch:
+            self._batch_update(batch)
+
+    def _batch_update(self, batch: list[tuple[Digest, bytes]]) -> None:
+        request = re_pb2.BatchUpdateBlobsRequest(
+            instance_name=self.instance,
+            requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=to_proto(d), data=b) for d, b in batch],
+        )
+        try:
+            response = self.cas.BatchUpdateBlobs(request, timeout=self.upload_timeout)
+        except grpc.RpcError as e:
+            raise RemoteError(f"BatchUpdateBlobs: {e.code().name}: {e.details()}") from None
+        for r in response.responses:
+            if r.status.code != 0:
+                raise RemoteError(f"BatchUpdateBlobs: blob {r.digest.hash}: code {r.status.code}: {r.status.message}")
+
+    def _write(self, digest: Digest, data: bytes) -> None:
+        prefix = f"{self.instance}/" if self.instance else ""
+        name = f"{prefix}uploads/{uuid.uuid4()}/blobs/{digest.hash}/{digest.size_bytes}"
+
+        def chunks():
+            offset = 0
+            while True:
+                piece = data[offset:offset + CHUNK]
+                last = offset + len(piece) >= len(data)
+                yield bs_pb2.WriteRequest(
+                    resource_name=name if offset == 0 else "", write_offset=offset, finish_write=last, data=piece
+                )
+                offset += len(piece)
+                if last:
+                    return
+
+        try:
+            response = self.bs.Write(chunks(), timeout=self.upload_timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                return
+            raise RemoteError(f"ByteStream.Write: {e.code().name}: {e.details()}") from None
+        if response.committed_size not in (digest.size_bytes, -1):
+            raise RemoteError(f"ByteStream.Write committed {response.committed_size} of {digest.size_bytes} bytes")
+
+    def download(self, digests: Iterable[Digest]) -> dict[Digest, bytes]:
+        """Fetch blobs and verify each against its digest."""
+        out: dict[Digest, bytes] = {}
+        small: list[Digest] = []
+        for d in dict.fromkeys(digests):
+            if d.size_bytes == 0:
+                out[d] = b""
+            elif d.size_bytes > BATCH_LIMIT:
+                out[d] = self._read(d)
+            else:
+                small.append(d)
+        batch: list[Digest] = []
+        size = 0
+        for d in small:
+            if size + d.size_bytes > BATCH_LIMIT and batch:
+                out.update(self._batch_read(batch))
+                batch, size = [], 0
+            batch.append(d)
+            size += d.size_bytes
+        if batch:
+            out.update(self._batch_read(batch))
+        for d, data in out.items():
+            if Digest.of(data) != d:
+                raise RemoteError(f"blob {d} failed verification")
+        return out
+
+    def _batch_read(self, batch: list[Digest]) -> dict[Digest, bytes]:
+        request = re_pb2.BatchReadBlobsRequest(instance_name=self.instance, digests=[to_proto(d) for d in batch])
+        try:
+            response = self.cas.BatchReadBlobs(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise RemoteError(f"BatchReadBlobs: {e.code().name}: {e.details()}") from None
+        out = {}
+        for r in response.responses:
+            if r.status.code != 0:
+                raise RemoteError(f"BatchReadBlobs: blob {r.digest.hash}: code {r.status.code}: {r.status.message}")
+            out[from_proto(r.digest)] = r.data
+        if len(out) != len(batch):
+            raise RemoteError("BatchReadBlobs: incomplete answer")
+        return out
+
+    def _read(self, digest: Digest) -> bytes:
+        prefix = f"{self.instance}/" if self.instance else ""
+        name = f"{prefix}blobs/{digest.hash}/{digest.size_bytes}"
+        try:
+            parts = [r.data for r in self.bs.Read(bs_pb2.ReadRequest(resource_name=name), timeout=max(self.timeout, 30.0))]
+        except grpc.RpcError as e:
+            raise RemoteError(f"ByteStream.Read: {e.code().name}: {e.details()}") from None
+        return b"".join(parts)
