@@ -1,0 +1,21 @@
+// Host side of moe_dispatch: shape inference and tiling.
+#include "op_common.h"
+#include "moe_dispatch_tiling.h"
+#include "tinyfmt/format.h"
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <sstream>
+#include <unordered_map>
+namespace moe_dispatch {
+int64_t infer_workspace(const ops::TensorDesc& in) {
+  TilingData t;
+  int64_t elems = std::accumulate(in.dims.begin(), in.dims.end(), int64_t{1}, std::multiplies<int64_t>());
+  return (elems / t.block_m + 1) * t.block_n * t.stages;
+}
+std::string describe(const ops::TensorDesc& in) {
+  std::ostringstream s;
+  s << "moe_dispatch@" << ops::soc_name() << " in=" << tinyfmt::shape(in.dims) << " ws=" << infer_workspace(in);
+  return s.str();
+}
+}  // namespace moe_dispatch

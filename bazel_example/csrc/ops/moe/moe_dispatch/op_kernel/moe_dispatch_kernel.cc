@@ -1,0 +1,16 @@
+// Device kernel of moe_dispatch (compiled for the host here; per SOC in the real tree).
+#include "moe_dispatch_tiling.h"
+#include "kernel_utils.h"
+#include <array>
+#include <cstring>
+namespace moe_dispatch {
+int64_t kernel_blocks(int64_t rows) {
+  TilingData t;
+#if defined(SOC_IS_910B)
+  const int64_t cores = kernel::core_count();
+#else
+  const int64_t cores = 4;
+#endif
+  return kernel::ceil_div(kernel::align_up(rows, t.block_m), t.block_m * cores);
+}
+}  // namespace moe_dispatch
