@@ -1,0 +1,448 @@
+#!/usr/bin/env python3
+"""buildvault vs BuildGrid, one command: writes bench/RESULTS.md.
+
+    .venv/bin/python bench/compare.py                  # full run, ~10 min on 2 cores
+    .venv/bin/python bench/compare.py --scenarios 'fmb_*,ac_*' --reps 5 --no-bazel
+
+1. Installs BuildGrid from PyPI (newest release for this Python unless --buildgrid-version)
+   into bench/.venv-buildgrid (git-ignored), once.
+2. For each repetition and each server, in rotated order (A B, B A, A B, ...): starts a fresh
+   server on loopback with a fresh data directory (BuildGrid: disk CAS + AC kept in it;
+   buildvault: `buildvault serve --dir D`), runs bench/harness.py against it with its PID for
+   RSS sampling, stops it and deletes the data.
+3. Times a warm Bazel build (all cache hits) through buildvault, through BuildGrid and with
+   Bazel's own --disk_cache (bench/bazel_warm.py), rotated the same way.
+4. Writes medians, min-max and the buildvault/BuildGrid ratio per scenario, with the targets,
+   the exact command and the machine (cores, RAM, CPU model; no host names or paths).
+
+Exit status: 0 when every run passed its verification, 1 otherwise (RESULTS.md still written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import servers  # noqa: E402
+
+HARNESS = ROOT / "bench" / "harness.py"
+SERVERS = ("buildvault", "buildgrid")
+RSS_LIMIT_MIB = 150.0
+
+# scenario -> (minimum buildvault/BuildGrid ratio, for throughput metrics) from the issue
+TARGETS: dict[str, float] = {
+    "fmb_c1": 8.0,
+    "fmb_c16": 8.0,
+    "batch_update_c1": 3.0,
+    "batch_read_c1": 3.0,
+    "batch_update_c8": 3.0,
+    "batch_read_c8": 3.0,
+    "bs_write_512MiB_chunk64KiB": 3.0,
+    "bs_write_512MiB_chunk1MiB": 3.0,
+    "bs_read_512MiB": 1.2,
+    "ac_update_c1": 1.5,
+    "ac_get_c1": 1.5,
+    "ac_update_c16": 2.5,
+    "ac_get_c16": 2.5,
+    "mixed_cold": 2.5,
+    "mixed_warm": 2.5,
+}
+ABSOLUTE_TARGETS: dict[str, float] = {"server_rss_bs_512MiB": RSS_LIMIT_MIB}  # buildvault, MiB, lower
+
+
+def log(message: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# BuildGrid install
+# --------------------------------------------------------------------------------------------
+
+
+def buildgrid_version(venv: Path) -> str | None:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return None
+    probe = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('buildgrid'))"],
+        capture_output=True, text=True,
+    )
+    return probe.stdout.strip() if probe.returncode == 0 and servers.buildgrid_bgd(venv).exists() else None
+
+
+def ensure_buildgrid(venv: Path, version: str | None, upgrade: bool) -> str:
+    installed = buildgrid_version(venv)
+    if installed and not upgrade and (version is None or installed == version):
+        return installed
+    if not (venv / "bin" / "python").exists():
+        log(f"creating {venv.relative_to(ROOT)}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    requirement = f"buildgrid=={version}" if version else "buildgrid"
+    log(f"pip install {requirement} into {venv.relative_to(ROOT)}")
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         *(["--upgrade"] if upgrade or not version else []), requirement],
+        check=True,
+    )
+    installed = buildgrid_version(venv)
+    if not installed:
+        raise SystemExit("BuildGrid did not install: no bgd in the venv")
+    return installed
+
+
+# --------------------------------------------------------------------------------------------
+# Runs
+# --------------------------------------------------------------------------------------------
+
+
+def start(name: str, data_dir: Path, log_path: Path) -> servers.Server:
+    if name == "buildvault":
+        return servers.start_buildvault(data_dir, log_path)
+    return servers.start_buildgrid(data_dir, log_path)
+
+
+def run_harness(server: servers.Server, args: argparse.Namespace, out: Path, log_path: Path) -> dict[str, Any]:
+    argv = [
+        sys.executable, str(HARNESS), "--target", server.address, "--server-pid", str(server.pid),
+        "--label", server.name, "--json-out", str(out),
+    ]
+    if args.quick:
+        argv.append("--quick")
+    if args.scenarios:
+        argv += ["--scenarios", args.scenarios]
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as handle:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        assert process.stdout is not None
+        for line in process.stdout:
+            handle.write(line)
+            if line.startswith("{"):
+                row = json.loads(line)
+                value = row.get("value")
+                shown = f"{value:,.1f} {row['unit']}" if isinstance(value, (int, float)) else f"FAILED {row['error']}"
+                log(f"  {server.name:10} {row['scenario']:28} {shown}")
+        process.wait(timeout=args.run_timeout)
+    document: dict[str, Any] = {"results": []}
+    if out.exists():
+        document = json.loads(out.read_text(encoding="utf-8"))
+    document["exit_code"] = process.returncode
+    document["wall_s"] = time.monotonic() - started
+    if process.returncode != 0:
+        log(f"  {server.name}: harness exited {process.returncode}; server log tail:\n{server.log_tail(1500)}")
+    return document
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, str]:
+    info = {"cores": str(os.cpu_count())}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["ram"] = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info["kernel"] = platform.release()
+    info["python"] = platform.python_version()
+    try:
+        import grpc
+
+        info["grpcio (client, buildvault)"] = grpc.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def git_revision() -> str:
+    probe = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=ROOT,
+                           capture_output=True, text=True)
+    revision = probe.stdout.strip() or "unknown"
+    return revision + (" (+ uncommitted changes under src/)" if dirty.stdout.strip() else "")
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:,.{digits}f}"
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Per scenario: values per server (rep order kept), per-rep ratios."""
+    order: list[str] = []
+    table: dict[str, dict[str, Any]] = {}
+    reps = max(len(v) for v in runs.values())
+    for name in SERVERS:
+        for rep, document in enumerate(runs[name]):
+            for row in document.get("results", []):
+                scenario = row["scenario"]
+                if scenario not in table:
+                    order.append(scenario)
+                    table[scenario] = {
+                        "unit": row["unit"], "higher": row["higher_is_better"],
+                        "values": {s: [None] * reps for s in SERVERS}, "errors": [],
+                    }
+                entry = table[scenario]
+                entry["unit"] = entry["unit"] or row["unit"]
+                if row["ok"] and row["value"] is not None:
+                    entry["values"][name][rep] = row["value"]
+                else:
+                    entry["errors"].append(f"{name} run {rep + 1}: {row['error']}")
+    for entry in table.values():
+        ratios = []
+        for a, b in zip(entry["values"]["buildvault"], entry["values"]["buildgrid"]):
+            if a is not None and b:
+                ratios.append(a / b)
+        entry["ratios"] = ratios
+    return order, table
+
+
+def stats(values: list[float | None]) -> tuple[float | None, float | None, float | None]:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, None
+    return statistics.median(present), min(present), max(present)
+
+
+def verdict(scenario: str, entry: dict[str, Any]) -> tuple[str, str]:
+    """(target text, met?)."""
+    if scenario in TARGETS:
+        want = TARGETS[scenario]
+        if not entry["ratios"]:
+            return f"≥ {want:g}×", "—"
+        ratio = statistics.median(entry["ratios"])
+        return f"≥ {want:g}×", "yes" if ratio >= want else "**no**"
+    if scenario in ABSOLUTE_TARGETS:
+        limit = ABSOLUTE_TARGETS[scenario]
+        median = stats(entry["values"]["buildvault"])[0]
+        if median is None:
+            return f"< {limit:g} MiB", "—"
+        return f"buildvault < {limit:g} MiB", "yes" if median < limit else "**no**"
+    return "", ""
+
+
+def write_report(
+    path: Path, args: argparse.Namespace, command: str, runs: dict[str, list[dict[str, Any]]],
+    bazel: dict[str, Any] | None, bazel_error: str | None, meta: dict[str, Any],
+) -> None:
+    order, table = summarize(runs)
+    lines = [
+        "# buildvault vs BuildGrid: benchmark results",
+        "",
+        "Written by `bench/compare.py`; do not edit by hand. Both servers on loopback on the same",
+        "machine as the client (bench/harness.py, one grpc.aio channel), each run on a fresh server",
+        "with an empty data directory, the servers interleaved in rotated order. Every read-back",
+        "was verified. Noise between runs is about ±30 %: read the ratio (buildvault / BuildGrid,",
+        "computed within each repetition, median over repetitions), not single times. For",
+        "throughput a ratio above 1 means buildvault is faster; for memory (MiB) below 1 is better.",
+        "",
+        "```sh",
+        command,
+        "```",
+        "",
+        f"- date (UTC): {meta['date']}; wall time of the whole comparison: {meta['wall_min']:.1f} min",
+        f"- buildvault revision {meta['revision']}; BuildGrid {meta['buildgrid']} (PyPI), disk CAS,",
+        "  LRU action cache stored in that CAS, no auth, no monitoring, thread-pool-size 64",
+        f"- repetitions: {args.reps}{' (quick sizes)' if args.quick else ''}"
+        + (f"; scenarios: `{args.scenarios}`" if args.scenarios else ""),
+        "- machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
+        "",
+        "## REAPI scenarios",
+        "",
+        "| scenario | unit | buildvault median (min–max) | BuildGrid median (min–max) | ratio bv/BG (min–max) | target | met |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for scenario in order:
+        entry = table[scenario]
+        bv = stats(entry["values"]["buildvault"])
+        bg = stats(entry["values"]["buildgrid"])
+        ratio = stats(entry["ratios"])
+        target, met = verdict(scenario, entry)
+        lines.append(
+            f"| {scenario} | {entry['unit']} | {fmt(bv[0])} ({fmt(bv[1])}–{fmt(bv[2])}) | "
+            f"{fmt(bg[0])} ({fmt(bg[1])}–{fmt(bg[2])}) | **{fmt(ratio[0], 2)}** ({fmt(ratio[1], 2)}–{fmt(ratio[2], 2)}) | "
+            f"{target} | {met} |"
+        )
+    errors = [e for s in order for e in table[s]["errors"]]
+    failed_runs = [f"{name} run {i + 1}: exit {d.get('exit_code')}" for name in SERVERS
+                   for i, d in enumerate(runs[name]) if d.get("exit_code") != 0]
+    lines += [""]
+    if errors or failed_runs:
+        lines += ["**Failures** (the comparison exits 1):", ""] + [f"- {e}" for e in failed_runs + errors] + [""]
+    else:
+        lines += ["Every run passed every verification.", ""]
+    lines += [
+        "Scenarios: `fmb_cN` FindMissingBlobs of 1,000 digests (half present), N concurrent callers;",
+        "`batch_*_cN` 100 blobs of 4 KiB per call; `bs_write_S_chunkC` ByteStream.Write of S-byte",
+        "blobs in C-byte chunks, `bs_read_S` ByteStream.Read (the server picks its chunk size);",
+        "`ac_*_cN` ActionCache with 3 outputs per result; `mixed_cold` 8 simulated build clients",
+        "(GetActionResult miss → FindMissingBlobs → BatchUpdateBlobs + ByteStream.Write →",
+        "UpdateActionResult), `mixed_warm` the same actions again (hit → read every output);",
+        "`server_rss_*` peak RSS of the server's process tree sampled every 20 ms (whole run, and",
+        "while streaming the 512 MiB blobs). Harness wall time per run: "
+        + ", ".join(
+            f"{name} {statistics.median([d['wall_s'] for d in runs[name]]):.0f} s" for name in SERVERS if runs[name]
+        )
+        + ".",
+        "",
+        "## A real client: warm Bazel build",
+        "",
+    ]
+    if bazel:
+        backends = bazel["backends"]
+        disk = backends.get("disk_cache", {}).get("warm_median_s")
+        lines += [
+            f"Bazel {meta.get('bazel', '')}, tests/e2e/bazel_workspace plus {bazel['libs']} generated C++ libraries:",
+            f"{bazel['cacheable_spawns']} cacheable spawns, every one a cache hit in the timed builds",
+            f"(`bazel clean` then `bazel build //...`, {bazel['reps']} repetitions, backends rotated; outputs",
+            "downloaded, the binary run and its output checked).",
+            "",
+            "| backend | warm build median (min–max) s | vs --disk_cache | cold build s |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for name, figures in backends.items():
+            median, low, high = stats(figures["warm_s"])
+            relative = f"{median / disk:.2f}×" if median and disk else "—"
+            lines.append(
+                f"| {name} | {fmt(median, 2)} ({fmt(low, 2)}–{fmt(high, 2)}) | {relative} | {fmt(figures['cold_s'], 1)} |"
+            )
+        lines.append("")
+    elif bazel_error:
+        lines += [f"Not measured: {bazel_error}", ""]
+    else:
+        lines += ["Not measured in this run (`--no-bazel`).", ""]
+    lines += [
+        "<details><summary>Every run's values</summary>",
+        "",
+        "| scenario | " + " | ".join(f"{name} run {i + 1}" for name in SERVERS for i in range(args.reps)) + " |",
+        "| --- |" + " ---: |" * (len(SERVERS) * args.reps),
+    ]
+    for scenario in order:
+        values = [table[scenario]["values"][name][i] if i < len(table[scenario]["values"][name]) else None
+                  for name in SERVERS for i in range(args.reps)]
+        lines.append(f"| {scenario} | " + " | ".join(fmt(v) for v in values) + " |")
+    lines += ["", "</details>", ""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def bazel_version() -> str:
+    try:
+        probe = subprocess.run(["bazel", "--version"], capture_output=True, text=True, timeout=120)
+        return probe.stdout.strip().replace("bazel ", "")
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def run_bazel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from bench import bazel_warm
+
+    started: list[servers.Server] = []
+    try:
+        bv = servers.start_buildvault(workdir / "bazel-bv-data", workdir / "bazel-bv.log")
+        started.append(bv)
+        bg = servers.start_buildgrid(workdir / "bazel-bg-data", workdir / "bazel-bg.log")
+        started.append(bg)
+        backends = {
+            "buildvault": {"remote_cache": f"grpc://{bv.address}"},
+            "disk_cache": {"disk_cache": workdir / "bazel-disk-cache"},
+            "buildgrid": {"remote_cache": f"grpc://{bg.address}"},
+        }
+        return bazel_warm.run(backends, workdir / "bazel", libs=args.bazel_libs, reps=args.bazel_reps, log=log)
+    finally:
+        for server in started:
+            servers.stop(server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per server (default %(default)s)")
+    parser.add_argument("--scenarios", help="harness scenario filter, e.g. 'fmb_*,bs_*_512MiB*'")
+    parser.add_argument("--quick", action="store_true", help="harness --quick sizes (a smoke test of this script)")
+    parser.add_argument("--no-bazel", action="store_true", help="skip the warm Bazel build figure")
+    parser.add_argument("--bazel-libs", type=int, default=80, help="generated libraries in the Bazel build")
+    parser.add_argument("--bazel-reps", type=int, default=5, help="timed warm builds per backend")
+    parser.add_argument("--buildgrid-version", help="pin BuildGrid (default: newest for this Python)")
+    parser.add_argument("--upgrade-buildgrid", action="store_true", help="reinstall/upgrade BuildGrid first")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"), help="report path")
+    parser.add_argument("--run-timeout", type=float, default=900.0, help="limit of one harness run, seconds")
+    args = parser.parse_args(argv)
+
+    started_at = time.monotonic()
+    command = " ".join(
+        [".venv/bin/python", "bench/compare.py", *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))]
+    )
+    meta: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "machine": machine_info(),
+        "revision": git_revision(),
+    }
+    meta["buildgrid"] = ensure_buildgrid(servers.BUILDGRID_VENV, args.buildgrid_version, args.upgrade_buildgrid)
+    log(f"BuildGrid {meta['buildgrid']}; buildvault {meta['revision']}")
+
+    workdir = Path(tempfile.mkdtemp(prefix="buildvault-compare-"))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS}
+    bazel: dict[str, Any] | None = None
+    bazel_error: str | None = None
+    try:
+        for rep in range(args.reps):
+            order = SERVERS[rep % 2:] + SERVERS[: rep % 2]
+            for name in order:
+                log(f"repetition {rep + 1}/{args.reps}: {name}")
+                data = workdir / f"{name}-{rep}"
+                server = start(name, data, workdir / f"{name}-{rep}.log")
+                try:
+                    runs[name].append(
+                        run_harness(server, args, workdir / f"{name}-{rep}.json", workdir / f"{name}-{rep}.out")
+                    )
+                finally:
+                    servers.stop(server)
+                    servers.remove(data)
+        if not args.no_bazel:
+            meta["bazel"] = bazel_version()
+            try:
+                bazel = run_bazel(args, workdir)
+            except Exception as exc:  # noqa: BLE001 - reported in RESULTS.md, run fails
+                bazel_error = f"{type(exc).__name__}: {str(exc)[:600]}"
+                log(f"bazel figure failed: {bazel_error}")
+        meta["wall_min"] = (time.monotonic() - started_at) / 60
+        out = Path(args.out)
+        write_report(out, args, command, runs, bazel, bazel_error, meta)
+        log(f"wrote {out}")
+    finally:
+        servers.remove(workdir)
+    ok = all(d.get("exit_code") == 0 for docs in runs.values() for d in docs) and bazel_error is None
+    print(Path(args.out).read_text(encoding="utf-8"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Start and stop the servers the benchmarks compare: buildvault and BuildGrid, on loopback.
+
+Each server runs in its own session (process group) with its log in a file; `stop()` ends
+exactly the process group it started. Used by bench/compare.py, bench/bazel_warm.py and
+tests/bench/test_quick_bench.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+BUILDGRID_VENV = BENCH / ".venv-buildgrid"
+READY_PREFIX = "buildvault ready:"  # buildvault.logs.READY_PREFIX: the first banner line
+_READY_GRPC = re.compile(r"grpc=(\S+)")
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class Server:
+    name: str
+    address: str  # host:port of the gRPC listener
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    data_dir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, limit: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except FileNotFoundError:
+            return ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen(
+            argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, env=env,
+        )
+
+
+def buildvault_command() -> list[str]:
+    script = Path(sys.executable).parent / "buildvault"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from buildvault.cli import main; sys.exit(main())"]
+
+
+def start_buildvault(
+    data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0
+) -> Server:
+    """`buildvault serve --grpc-address 127.0.0.1:0 --http-address '' --dir D --max-size 20GiB`.
+
+    Waits for the banner's first line, `buildvault ready: grpc=HOST:PORT ...`, in the log.
+    """
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = buildvault_command() + [
+        "serve", "--grpc-address", "127.0.0.1:0", "--http-address", "", "--dir", str(data_dir),
+        "--max-size", "20GiB", *(extra or []),
+    ]
+    process = _spawn(argv, log_path, ROOT)
+    server = Server("buildvault", "", process, log_path, data_dir)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in server.log_tail(1 << 20).splitlines():
+            if line.startswith(READY_PREFIX):
+                match = _READY_GRPC.search(line)
+                if not match:
+                    stop(server)
+                    raise ServerError(f"buildvault ready line has no grpc= address: {line!r}")
+                server.address = match.group(1)
+                return server
+        if process.poll() is not None:
+            raise ServerError(f"buildvault exited with {process.returncode} before ready:\n{server.log_tail()}")
+        time.sleep(0.05)
+    stop(server)
+    raise ServerError(f"buildvault not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+def buildgrid_config(address: str, data_dir: Path) -> str:
+    """Disk CAS + an ActionCache kept in that CAS (BuildGrid's LRU cache of refs, no database).
+
+    thread-pool-size is also gRPC's maximum_concurrent_rpcs in BuildGrid: the default
+    (5 x cores = 10 here) answers RESOURCE_EXHAUSTED to a 16-way client, so it is raised.
+    """
+    return textwrap.dedent(
+        f"""\
+        description: buildvault benchmark baseline (disk CAS + AC, no auth, no monitoring)
+        server:
+          - !channel
+            address: "{address}"
+            insecure-mode: true
+        authorization:
+          method: none
+        monitoring:
+          enabled: false
+        thread-pool-size: 64
+        storages:
+          - !disk-storage &cas
+            path: {data_dir / "cas"}
+        caches:
+          - !lru-action-cache &ac
+            storage: *cas
+            max-cached-refs: 1000000
+            allow-updates: true
+            cache-failed-actions: true
+        instances:
+          - name: ""
+            services:
+              - !action-cache
+                cache: *ac
+              - !cas
+                storage: *cas
+              - !bytestream
+                storage: *cas
+        """
+    )
+
+
+def buildgrid_bgd(venv: Path = BUILDGRID_VENV) -> Path:
+    return venv / "bin" / "bgd"
+
+
+def start_buildgrid(data_dir: Path, log_path: Path, venv: Path = BUILDGRID_VENV, timeout: float = 60.0) -> Server:
+    bgd = buildgrid_bgd(venv)
+    if not bgd.exists():
+        raise ServerError(f"BuildGrid is not installed in {venv} (bench/compare.py installs it)")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "cas").mkdir(exist_ok=True)
+    address = f"127.0.0.1:{free_port()}"
+    config = data_dir / "buildgrid.yml"
+    config.write_text(buildgrid_config(address, data_dir), encoding="utf-8")
+    process = _spawn([str(bgd), "server", "start", str(config)], log_path, data_dir)
+    server = Server("buildgrid", address, process, log_path, data_dir)
+    try:
+        wait_grpc_ready(address, timeout, process)
+    except ServerError as exc:
+        stop(server)
+        raise ServerError(f"{exc}\n{server.log_tail()}") from None
+    return server
+
+
+def wait_grpc_ready(address: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    """Until GetCapabilities answers."""
+    import grpc
+
+    from buildvault.remote_apis import re_grpc, re_pb2
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = re_grpc.CapabilitiesStub(channel)
+        while True:
+            try:
+                stub.GetCapabilities(re_pb2.GetCapabilitiesRequest(), timeout=2)
+                return
+            except grpc.RpcError as exc:
+                if process is not None and process.poll() is not None:
+                    raise ServerError(f"server exited with {process.returncode}") from None
+                if time.monotonic() >= deadline:
+                    raise ServerError(f"{address} not ready after {timeout:.0f} s: {exc}") from None
+                time.sleep(0.2)
+
+
+def stop(server: Server, timeout: float = 20.0) -> None:
+    """SIGTERM the server's own process group, SIGKILL it if it lingers."""
+    process = server.process
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(timeout=10)
+    # children of BuildGrid left in the group
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,97 @@
+"""bench/harness.py --quick against the real server: the benchmark doubles as a protocol test.
+
+Starts `buildvault serve --grpc-address 127.0.0.1:0` (readiness: the banner's
+`buildvault ready: grpc=...` line), runs every quick scenario with byte-for-byte
+verification, and checks that every scenario reported a result and none failed. A second
+test proves the harness fails the run when a server answers wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import harness, servers  # noqa: E402
+from buildvault.remote_apis import re_grpc, re_pb2  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def run_harness(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench.harness", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+    )
+
+
+def test_quick_bench_against_buildvault(tmp_path: Path) -> None:
+    server = servers.start_buildvault(tmp_path / "data", tmp_path / "server.log")
+    out = tmp_path / "results.json"
+    try:
+        proc = run_harness(
+            "--target", server.address, "--quick", "--server-pid", str(server.pid),
+            "--label", "buildvault", "--json-out", str(out),
+        )
+    finally:
+        servers.stop(server)
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}\n{server.log_tail()}"
+
+    largest = harness.size_label(max(harness.QUICK.bs_sizes))
+    expected = [s.name for s in harness.scenarios_for(harness.QUICK)] + [
+        "server_rss_peak", f"server_rss_bs_{largest}",
+    ]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [row["scenario"] for row in lines] == expected
+    results = json.loads(out.read_text())["results"]
+    assert [row["scenario"] for row in results] == expected
+    for row in results:
+        assert row["ok"] and row["error"] is None, row
+        assert row["value"] is not None and row["value"] > 0, row
+        assert row["rss_peak_mib"] is not None and row["rss_peak_mib"] > 0, row
+    assert "| scenario |" in proc.stdout and f"{len(expected)} scenarios ok, 0 failed" in proc.stdout
+
+
+class LyingCas(re_grpc.ContentAddressableStorageServicer):
+    """Says every blob is present."""
+
+    def FindMissingBlobs(self, request, context):  # noqa: N802 - gRPC method name
+        return re_pb2.FindMissingBlobsResponse()
+
+    def BatchUpdateBlobs(self, request, context):  # noqa: N802
+        return re_pb2.BatchUpdateBlobsResponse(
+            responses=[re_pb2.BatchUpdateBlobsResponse.Response(digest=r.digest) for r in request.requests]
+        )
+
+
+class Capabilities(re_grpc.CapabilitiesServicer):
+    def GetCapabilities(self, request, context):  # noqa: N802
+        return re_pb2.ServerCapabilities(
+            cache_capabilities=re_pb2.CacheCapabilities(digest_functions=[re_pb2.DigestFunction.SHA256])
+        )
+
+
+def test_harness_fails_the_run_on_a_wrong_answer() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    re_grpc.add_ContentAddressableStorageServicer_to_server(LyingCas(), server)
+    re_grpc.add_CapabilitiesServicer_to_server(Capabilities(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = run_harness("--target", f"127.0.0.1:{port}", "--quick", "--scenarios", "fmb_c1,ac_get_c1", timeout=120)
+    finally:
+        server.stop(grace=None)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    rows = {row["scenario"]: row for row in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+    assert set(rows) == {"fmb_c1", "ac_get_c1"}
+    assert not rows["fmb_c1"]["ok"] and "FindMissingBlobs" in rows["fmb_c1"]["error"]
+    assert not rows["ac_get_c1"]["ok"] and "UNIMPLEMENTED" in rows["ac_get_c1"]["error"]
