@@ -28,6 +28,8 @@ from buildvault.server.grpc.action_cache import ActionCacheService
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, ByteStreamService, Uploads
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
+from buildvault.server.http import HttpListener, SizeIndexedBlobStore
+from buildvault.server.metrics import Metrics
 from buildvault.storage import ActionStore, BlobStore, StorageError
 
 log = logging.getLogger("buildvault.app")
@@ -91,8 +93,10 @@ class GrpcListener:
         return self._address
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=server_options())
         s = self.services
+        metrics = s.extra.get("metrics")
+        interceptors = [metrics.grpc_interceptor()] if metrics is not None else []
+        server = grpc.aio.server(options=server_options(), interceptors=interceptors)
         re_grpc.add_CapabilitiesServicer_to_server(CapabilitiesService(s.max_cas_blob_size), server)
         re_grpc.add_ContentAddressableStorageServicer_to_server(CasService(s.blobs), server)
         re_grpc.add_ActionCacheServicer_to_server(ActionCacheService(s.action_cache), server)
@@ -133,6 +137,9 @@ class App:
         self._closers: list[Any] = []
         self._store_label = ""
         self.started_at: float | None = None
+        # Owned by this App (not the global registry): two servers in one process count apart.
+        self.metrics = Metrics(version=VERSION)
+        self._storage_stats: Any = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -155,12 +162,15 @@ class App:
     async def start(self) -> None:
         try:
             blobs, actions = await self._open_stores()
+            # HTTP names CAS blobs by hash alone: learn sizes from every front end's traffic.
+            blobs = SizeIndexedBlobStore(blobs)
             self.services = Services(
                 blobs=blobs,
                 actions=actions,
                 action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE),
                 uploads=Uploads(blobs, grace=self.upload_grace),
                 max_cas_blob_size=self._max_blob_size(),
+                extra={"metrics": self.metrics},
             )
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
@@ -175,6 +185,11 @@ class App:
         listeners: list[Listener] = []
         if self.settings.grpc_address:
             listeners.append(GrpcListener(self.settings.grpc_address, services))
+        if self.settings.http_address:
+            stats = self._storage_stats or getattr(self._given[0], "stats", None)
+            listeners.append(
+                HttpListener.from_services(self.settings.http_address, services, self.metrics, VERSION, stats=stats)
+            )
         return listeners
 
     async def stop(self, grace: float = 10.0) -> None:
@@ -215,6 +230,7 @@ class App:
         directory = self.settings.dir
         try:
             storage = await DiskStorage.open(directory, self.settings.max_size)
+            self._storage_stats = storage.stats
         except (OSError, StorageError) as e:
             raise StartupError(f"cannot open the data directory {directory}: {e}") from None
         self._closers.append(storage.close)

@@ -1,0 +1,458 @@
+"""Every Prometheus metric of the server, defined once and used by both protocols.
+
+A `Metrics` object owns its own `CollectorRegistry` (never the process-global default), so two
+servers in one process (tests) keep separate counts. The app creates one, hands it to the HTTP
+app and to the gRPC server (through `Metrics.grpc_interceptor()`), and serves
+`Metrics.render()` at `/metrics` on the HTTP port.
+
+Label values come from small fixed sets only: protocol (`grpc`, `http`), method (a known HTTP
+method or RPC name, else `other`), kind (`ac`, `cas`, `capabilities`, `status`, `metrics`,
+`other`, ...) and status (an HTTP code or a gRPC code name). A digest, an instance name or a
+path is never a label value.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["Metrics", "StorageSnapshot", "MetricsInterceptor", "CONTENT_TYPE_LATEST"]
+
+PREFIX = "buildvault"
+HTTP_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS", "PATCH"})
+# gRPC services we know, by full name -> the `kind` label.
+GRPC_SERVICES = {
+    "build.bazel.remote.execution.v2.ActionCache": "ac",
+    "build.bazel.remote.execution.v2.ContentAddressableStorage": "cas",
+    "google.bytestream.ByteStream": "cas",
+    "build.bazel.remote.execution.v2.Capabilities": "capabilities",
+    "build.bazel.remote.execution.v2.Execution": "execution",
+    "grpc.health.v1.Health": "health",
+    "grpc.reflection.v1alpha.ServerReflection": "reflection",
+    "grpc.reflection.v1.ServerReflection": "reflection",
+}
+GRPC_METHODS = frozenset(
+    {
+        "GetActionResult",
+        "UpdateActionResult",
+        "FindMissingBlobs",
+        "BatchUpdateBlobs",
+        "BatchReadBlobs",
+        "GetTree",
+        "SplitBlob",
+        "SpliceBlob",
+        "Read",
+        "Write",
+        "QueryWriteStatus",
+        "GetCapabilities",
+        "Execute",
+        "WaitExecution",
+        "Check",
+        "Watch",
+        "ServerReflectionInfo",
+    }
+)
+# Request latency buckets: from a cache hit on loopback to a multi-GiB upload.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+)  # fmt: skip
+_GRPC_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass(frozen=True)
+class StorageSnapshot:
+    """What the storage gauges show; None where the store cannot tell (e.g. no size cap)."""
+
+    used_bytes: int | None = None
+    max_bytes: int | None = None
+    blob_count: int | None = None
+    ac_entries: int | None = None
+    evictions: int | None = None
+    oldest_item_age_seconds: float | None = None
+
+    @classmethod
+    def from_stats(cls, stats: Any) -> StorageSnapshot:
+        """From a store's stats(): a mapping or an object with any of these attribute names."""
+        if stats is None:
+            return cls()
+        if isinstance(stats, StorageSnapshot):
+            return stats
+
+        def pick(*names: str) -> Any:
+            for name in names:
+                value = stats.get(name) if isinstance(stats, Mapping) else getattr(stats, name, None)
+                if value is not None:
+                    return value
+            return None
+
+        return cls(
+            used_bytes=pick("used_bytes", "used", "size_bytes", "current_size"),
+            max_bytes=pick("max_bytes", "max_size", "limit_bytes", "capacity"),
+            blob_count=pick("blob_count", "blobs", "cas_blobs"),
+            ac_entries=pick("ac_entries", "action_entries", "ac_count"),
+            evictions=pick("evictions", "evictions_total", "evicted"),
+            oldest_item_age_seconds=pick("oldest_item_age_seconds", "lru_age_seconds", "oldest_age_seconds"),
+        )
+
+
+class _StorageCollector:
+    """Gauges (and the evictions counter) read from the latest storage snapshot."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Any]:
+        return list(self._families(StorageSnapshot(0, 0, 0, 0, 0, 0.0)))
+
+    def collect(self) -> Iterable[Any]:
+        return list(self._families(self._metrics.storage))
+
+    @staticmethod
+    def _families(s: StorageSnapshot) -> Iterable[Any]:
+        gauges = (
+            ("disk_used_bytes", "Bytes the local store holds now (CAS and action entries).", s.used_bytes),
+            ("disk_max_bytes", "Size cap of the local store in bytes.", s.max_bytes),
+            ("cas_blobs", "Number of CAS blobs in the local store.", s.blob_count),
+            ("ac_entries", "Number of action cache entries (ActionResults and raw HTTP entries).", s.ac_entries),
+            ("oldest_item_age_seconds", "Age of the least recently used item in the local store.",
+             s.oldest_item_age_seconds),
+        )  # fmt: skip
+        for name, doc, value in gauges:
+            if value is not None:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
+        if s.evictions is not None:
+            yield CounterMetricFamily(
+                f"{PREFIX}_evictions", "Items evicted from the local store to stay under its cap.", value=s.evictions
+            )
+
+
+class Metrics:
+    """The server's metrics and the few numbers /status shows, in one app-owned registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, version: str = "") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.started = time.time()
+        self._started_monotonic = time.monotonic()
+        self.storage = StorageSnapshot()
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Requests handled, by protocol, method, kind and status.",
+            ["protocol", "method", "kind", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            f"{PREFIX}_request_duration_seconds",
+            "Time from receiving a request to sending the last byte of its response.",
+            ["protocol", "method", "kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ac_hits = Counter(f"{PREFIX}_ac_hits", "Action cache lookups that found an entry.", ["protocol"], registry=r)
+        self.ac_misses = Counter(
+            f"{PREFIX}_ac_misses", "Action cache lookups that found no (complete) entry.", ["protocol"], registry=r
+        )
+        self.cas_read_bytes = Counter(
+            f"{PREFIX}_cas_read_bytes", "CAS blob bytes sent to clients (as transferred).", ["protocol"], registry=r
+        )
+        self.cas_written_bytes = Counter(
+            f"{PREFIX}_cas_written_bytes",
+            "CAS blob bytes received from clients and stored (as transferred).",
+            ["protocol"],
+            registry=r,
+        )
+        start = Gauge(f"{PREFIX}_start_time_seconds", "Start time of the server, seconds since the epoch.", registry=r)
+        start.set(self.started)
+        info = Gauge(f"{PREFIX}_build_info", "Always 1; the version is a label.", ["version"], registry=r)
+        info.labels(version=version or "unknown").set(1)
+        self.version = version
+        r.register(_StorageCollector(self))
+        # Plain tallies for /status (reading Counter values back is not public API).
+        self._hits = {"grpc": 0, "http": 0}
+        self._misses = {"grpc": 0, "http": 0}
+
+    # -- recording ---------------------------------------------------------------------------
+    def observe_request(self, protocol: str, method: str, kind: str, status: str | int, seconds: float) -> None:
+        self.requests.labels(protocol, method, kind, str(status)).inc()
+        self.request_seconds.labels(protocol, method, kind).observe(max(seconds, 0.0))
+
+    def ac_lookup(self, protocol: str, hit: bool) -> None:
+        if hit:
+            self.ac_hits.labels(protocol).inc()
+            self._hits[protocol] = self._hits.get(protocol, 0) + 1
+        else:
+            self.ac_misses.labels(protocol).inc()
+            self._misses[protocol] = self._misses.get(protocol, 0) + 1
+
+    def cas_read(self, protocol: str, nbytes: int) -> None:
+        if nbytes:
+            self.cas_read_bytes.labels(protocol).inc(nbytes)
+
+    def cas_written(self, protocol: str, nbytes: int) -> None:
+        if nbytes:
+            self.cas_written_bytes.labels(protocol).inc(nbytes)
+
+    def set_storage(self, stats: Any) -> None:
+        """Update the storage gauges from a store's stats() (see StorageSnapshot.from_stats)."""
+        self.storage = StorageSnapshot.from_stats(stats)
+
+    # -- reading -----------------------------------------------------------------------------
+    @property
+    def uptime_seconds(self) -> float:
+        return time.monotonic() - self._started_monotonic
+
+    def ac_counts(self) -> dict[str, dict[str, int]]:
+        """{"hits": {"grpc": n, "http": n, "total": n}, "misses": {...}} for /status."""
+        hits = dict(self._hits, total=sum(self._hits.values()))
+        misses = dict(self._misses, total=sum(self._misses.values()))
+        return {"hits": hits, "misses": misses}
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST
+
+    # -- gRPC --------------------------------------------------------------------------------
+    def grpc_interceptor(self) -> MetricsInterceptor:
+        """Pass to `grpc.aio.server(interceptors=[...])`."""
+        return MetricsInterceptor(self)
+
+
+def http_method_label(method: str) -> str:
+    return method if method in HTTP_METHODS else "other"
+
+
+def grpc_labels(full_method: str) -> tuple[str, str]:
+    """`/pkg.Service/Method` -> (method label, kind label), both from fixed sets."""
+    _, _, rest = full_method.partition("/")
+    service, _, method = rest.partition("/")
+    kind = GRPC_SERVICES.get(service)
+    if kind is None:
+        return "other", "other"
+    return (method if method in GRPC_METHODS else "other"), kind
+
+
+class _Call:
+    """Book-keeping of one RPC: measures it and records its status and byte counts once."""
+
+    __slots__ = ("metrics", "method", "kind", "start", "read_bytes", "written_bytes")
+
+    def __init__(self, metrics: Metrics, method: str, kind: str) -> None:
+        self.metrics = metrics
+        self.method = method
+        self.kind = kind
+        self.start = time.perf_counter()
+        self.read_bytes = 0
+        self.written_bytes = 0
+
+    def response(self, message: Any) -> None:
+        if self.method == "Read":
+            self.read_bytes += len(getattr(message, "data", b""))
+        elif self.method == "BatchReadBlobs":
+            for r in getattr(message, "responses", ()):
+                if r.status.code == 0:
+                    self.read_bytes += len(r.data)
+
+    def request(self, message: Any) -> None:
+        if self.method == "Write":
+            self.written_bytes += len(getattr(message, "data", b""))
+
+    def finish(self, code: grpc.StatusCode, request: Any = None, response: Any = None) -> None:
+        m = self.metrics
+        m.observe_request("grpc", self.method, self.kind, code.name, time.perf_counter() - self.start)
+        if self.kind == "ac" and self.method == "GetActionResult":
+            if code is grpc.StatusCode.OK:
+                m.ac_lookup("grpc", True)
+            elif code is grpc.StatusCode.NOT_FOUND:
+                m.ac_lookup("grpc", False)
+        if self.method == "BatchUpdateBlobs" and code is grpc.StatusCode.OK and request is not None:
+            statuses = [r.status.code for r in getattr(response, "responses", ())]
+            for i, r in enumerate(getattr(request, "requests", ())):
+                if i >= len(statuses) or statuses[i] == 0:
+                    self.written_bytes += len(r.data)
+        m.cas_read("grpc", self.read_bytes)
+        if code is grpc.StatusCode.OK:
+            m.cas_written("grpc", self.written_bytes)
+
+
+def _code_of(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - older grpc.aio contexts
+        code = None
+    if code is None:
+        return default
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, tuple):
+        code = code[0]
+    return _GRPC_CODE_BY_VALUE.get(code, default)
+
+
+def _error_code(context: Any, error: BaseException) -> grpc.StatusCode:
+    import asyncio
+
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(error, grpc.aio.AbortError):
+        return _code_of(context, grpc.StatusCode.UNKNOWN)
+    return grpc.StatusCode.UNKNOWN
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts and times every RPC; AC hits/misses and CAS bytes for the REAPI/ByteStream methods."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method, kind = grpc_labels(handler_call_details.method)
+        metrics = self._metrics
+        if handler.unary_unary is not None:
+            return _replace(handler, unary_unary=_wrap_unary_unary(handler.unary_unary, metrics, method, kind))
+        if handler.unary_stream is not None:
+            return _replace(handler, unary_stream=_wrap_unary_stream(handler.unary_stream, metrics, method, kind))
+        if handler.stream_unary is not None:
+            return _replace(handler, stream_unary=_wrap_stream_unary(handler.stream_unary, metrics, method, kind))
+        if handler.stream_stream is not None:
+            return _replace(handler, stream_stream=_wrap_stream_stream(handler.stream_stream, metrics, method, kind))
+        return handler
+
+
+def _replace(handler: Any, **behaviour: Any) -> Any:
+    if hasattr(handler, "_replace"):
+        return handler._replace(**behaviour)
+    (name, fn), = behaviour.items()  # fmt: skip
+    factory = {
+        "unary_unary": grpc.unary_unary_rpc_method_handler,
+        "unary_stream": grpc.unary_stream_rpc_method_handler,
+        "stream_unary": grpc.stream_unary_rpc_method_handler,
+        "stream_stream": grpc.stream_stream_rpc_method_handler,
+    }[name]
+    return factory(fn, request_deserializer=handler.request_deserializer,
+                   response_serializer=handler.response_serializer)  # fmt: skip
+
+
+def _wrap_unary_unary(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: Any) -> Any:
+        call = _Call(metrics, method, kind)
+        try:
+            response = behaviour(request, context)
+            if inspect.isawaitable(response):
+                response = await response
+        except BaseException as e:
+            call.finish(_error_code(context, e))
+            raise
+        call.response(response)
+        call.finish(_code_of(context, grpc.StatusCode.OK), request, response)
+        return response
+
+    return wrapper
+
+
+def _wrap_unary_stream(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def generator(request: Any, context: Any) -> AsyncIterator[Any]:
+            call = _Call(metrics, method, kind)
+            try:
+                async for response in behaviour(request, context):
+                    call.response(response)
+                    yield response
+            except BaseException as e:
+                call.finish(_error_code(context, e))
+                raise
+            call.finish(_code_of(context, grpc.StatusCode.OK))
+
+        return generator
+
+    async def coroutine(request: Any, context: Any) -> Any:
+        call = _Call(metrics, method, kind)
+        try:
+            result = await behaviour(request, _CountingContext(context, call))
+        except BaseException as e:
+            call.finish(_error_code(context, e))
+            raise
+        call.finish(_code_of(context, grpc.StatusCode.OK))
+        return result
+
+    return coroutine
+
+
+class _CountingContext:
+    """A servicer context whose write() also counts the response (handlers that stream by writing)."""
+
+    def __init__(self, context: Any, call: _Call) -> None:
+        self._context = context
+        self._call = call
+
+    async def write(self, message: Any) -> None:
+        self._call.response(message)
+        await self._context.write(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+def _counting(iterator: Any, call: _Call) -> AsyncIterator[Any]:
+    async def requests() -> AsyncIterator[Any]:
+        async for message in iterator:
+            call.request(message)
+            yield message
+
+    return requests()
+
+
+def _wrap_stream_unary(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
+    async def wrapper(request_iterator: Any, context: Any) -> Any:
+        call = _Call(metrics, method, kind)
+        try:
+            response = await behaviour(_counting(request_iterator, call), context)
+        except BaseException as e:
+            call.finish(_error_code(context, e))
+            raise
+        call.finish(_code_of(context, grpc.StatusCode.OK), None, response)
+        return response
+
+    return wrapper
+
+
+def _wrap_stream_stream(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def generator(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+            call = _Call(metrics, method, kind)
+            try:
+                async for response in behaviour(_counting(request_iterator, call), context):
+                    call.response(response)
+                    yield response
+            except BaseException as e:
+                call.finish(_error_code(context, e))
+                raise
+            call.finish(_code_of(context, grpc.StatusCode.OK))
+
+        return generator
+
+    async def coroutine(request_iterator: Any, context: Any) -> Any:
+        call = _Call(metrics, method, kind)
+        try:
+            result = await behaviour(_counting(request_iterator, call), _CountingContext(context, call))
+        except BaseException as e:
+            call.finish(_error_code(context, e))
+            raise
+        call.finish(_code_of(context, grpc.StatusCode.OK))
+        return result
+
+    return coroutine
