@@ -77,6 +77,7 @@ _CCACHE_REST = re.compile(r"[0-9a-f]{2}[0-9a-v]{29}")
 _CCACHE_FLAT = re.compile(r"[0-9a-f]{4}[0-9a-v]{29}")
 _EMPTY_SHA256 = Digest.of(b"").hash
 _ZSTD_MAX_FRAME_HEADER = 18
+COMPLETE, INCOMPLETE, OPAQUE = "complete", "incomplete", "opaque"
 _PAGES = frozenset({"/", "/status", "/status.html", "/metrics"})
 HTTP_CACHE_KEY = web.AppKey("buildvault_http_cache", object)
 
@@ -437,29 +438,36 @@ class HttpCache:
         return _decompressed(_chain(head, body), size), size
 
     # -- AC --------------------------------------------------------------------------------------
-    async def _complete_result(self, data: bytes) -> bool:
-        """True if `data` is a valid ActionResult and every blob it references is in the CAS."""
+    async def _classify(self, data: bytes) -> str:
+        """COMPLETE: a valid ActionResult whose referenced blobs are all in the CAS (the
+        ActionCache's completeness rules); INCOMPLETE: a valid one that references missing
+        blobs; OPAQUE: anything else (e.g. a ccache entry)."""
         try:
             result = re_pb2.ActionResult.FromString(data)
         except Exception:  # noqa: BLE001 - DecodeError and friends: not an ActionResult
-            return False
+            return OPAQUE
         try:
-            return not await self.action_cache.missing_blobs(result, DigestFunction.SHA256)
+            missing = await self.action_cache.missing_blobs(result, DigestFunction.SHA256)
         except (InvalidActionResult, InvalidDigest):
-            return False
+            return OPAQUE
+        return INCOMPLETE if missing else COMPLETE
 
     async def _lookup_entry(self, path: CachePath) -> bytes | None:
-        """A complete real AC entry for `path`, else its raw entry, else None."""
+        """A complete real AC entry for `path`, else its raw entry, else None.
+
+        A raw entry that is an ActionResult (PUT before its blobs) is served only once every
+        blob it references is present, like a real one."""
         try:
             data = await self.action_store.get(ac_namespace(path.instance), path.digest)
         except NotFound:
             data = None
-        if data is not None and await self._complete_result(data):
+        if data is not None and await self._classify(data) == COMPLETE:
             return data
         try:
-            return await self.action_store.get(ac_namespace(path.instance, "raw"), path.digest)
+            data = await self.action_store.get(ac_namespace(path.instance, "raw"), path.digest)
         except NotFound:
             return None
+        return None if await self._classify(data) == INCOMPLETE else data
 
     async def _get_ac(self, request: web.Request, path: CachePath) -> web.StreamResponse:
         data = await self._lookup_entry(path)
@@ -484,7 +492,7 @@ class HttpCache:
             raise _HttpError(400, f"body ended after {len(e.partial)} of {length} bytes") from None
         if encoding == "zstd":
             data = await asyncio.to_thread(_decompress_bounded, data, self.max_entry_size)
-        if await self._complete_result(data):
+        if await self._classify(data) == COMPLETE:
             await self.action_store.put(ac_namespace(path.instance), path.digest, data)
         else:
             await self.action_store.put(ac_namespace(path.instance, "raw"), path.digest, data)
