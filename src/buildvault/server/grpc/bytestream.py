@@ -1,7 +1,8 @@
 """google.bytestream.ByteStream over the CAS: streaming Read, resumable Write, QueryWriteStatus.
 
-Writes stream straight into `BlobStore.write` through a small bounded queue, so memory does
-not grow with the blob. Each upload is an `Upload` keyed by its resource name
+Writes stream straight into `BlobStore.write`: the store's write task pulls requests from the
+Write stream itself, so memory does not grow with the blob and no message costs a task switch
+(the gRPC flow control is the backpressure). Each upload is an `Upload` keyed by its resource name
 (`{instance}/uploads/{uuid}/...`): if the Write stream breaks before `finish_write`, the
 upload stays alive for a grace period, QueryWriteStatus reports how much was committed, and
 a new Write whose `write_offset` equals that continues the same pending store write. An
@@ -35,20 +36,17 @@ log = logging.getLogger("buildvault.bytestream")
 
 # How long a Write stream that broke before finish_write stays resumable.
 DEFAULT_UPLOAD_GRACE = 60.0
-# Pieces buffered between the network and the store per upload (backpressure beyond that).
-QUEUE_DEPTH = 8
 # Finished uploads remembered for QueryWriteStatus.
 COMPLETED_MEMORY = 10_000
 
-_END = object()
+# Outcomes of one Write stream feeding an upload.
+FINISHED = "finished"  # finish_write seen: the store is verifying and publishing
+CLOSED = "closed"  # the stream ended without finish_write: resumable
+STORED = "stored"  # the store already had the blob
 
 
 class UploadAborted(StorageError):
     """The upload was abandoned (no resumption within the grace period, or shutdown)."""
-
-
-class AlreadyStored(Exception):
-    """The store completed the write without needing more data: the blob is already there."""
 
 
 def _upload_key(resource: ResourceName) -> tuple:
@@ -56,19 +54,36 @@ def _upload_key(resource: ResourceName) -> tuple:
     return (resource.instance_name, resource.upload_id, resource.compressor, digest.key, digest.size_bytes)
 
 
-class Upload:
-    """One resumable upload: a pending `store.write` fed through a queue by Write streams."""
+def _settle(future: asyncio.Future | None, result: object = None, error: BaseException | None = None) -> None:
+    if future is not None and not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
-    def __init__(self, manager: Uploads, key: tuple, resource: ResourceName) -> None:
+
+class Upload:
+    """One resumable upload: a pending `store.write` whose bytes come from Write streams.
+
+    The store's write task pulls requests straight from the attached stream (no queue, no
+    task switch per message) and checks each one's offset. The Write handler only waits for
+    the stream's outcome. When a stream ends without finish_write (closed or broken), the
+    source waits for the next stream to attach; `abort()` cancels the store write instead.
+    """
+
+    def __init__(self, manager: Uploads, key: tuple, resource: ResourceName, name: str) -> None:
         self.manager = manager
         self.key = key
         self.resource = resource
+        self.name = name
         self.digest = resource.digest
         self.committed = 0  # bytes accepted, as the client counts them (compressed for zstd)
-        self.attached = False
+        self.attached = False  # a Write handler is waiting on this upload
         self.finishing = False
         self.early = False  # the store had the blob before this upload sent everything
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_DEPTH)
+        self._stream: tuple[bs_pb2.WriteRequest, AsyncIterator[bs_pb2.WriteRequest]] | None = None
+        self._outcome: asyncio.Future | None = None
+        self._waiter: asyncio.Future | None = None
         self._expiry: asyncio.TimerHandle | None = None
         source: AsyncIterator[bytes] = self._source()
         if resource.compressor == "zstd":
@@ -77,23 +92,54 @@ class Upload:
         self.task.add_done_callback(self._done)
 
     async def _source(self) -> AsyncIterator[bytes]:
-        queue = self._queue
+        loop = asyncio.get_running_loop()
         while True:
-            item = await queue.get()
-            if item is _END:
-                return
-            yield item
+            while self._stream is None:
+                self._waiter = loop.create_future()
+                await self._waiter
+            stream = self._stream
+            request, iterator = stream
+            outcome = self._outcome
+            try:
+                while True:
+                    if request.resource_name and request.resource_name != self.name:
+                        raise errors.InvalidArgument("resource_name changed within one Write stream")
+                    if request.write_offset != self.committed:
+                        raise errors.InvalidArgument(
+                            f"write_offset {request.write_offset} does not match the committed size {self.committed}"
+                        )
+                    data = request.data
+                    if data:
+                        self.committed += len(data)
+                        yield data
+                    if request.finish_write:
+                        self.finishing = True
+                        _settle(outcome, FINISHED)
+                        return
+                    request = await iterator.__anext__()
+            except StopAsyncIteration:
+                # Closed without finish_write, or broken (a vanished client looks the same here).
+                if self._stream is stream:
+                    self._stream = None
+                _settle(outcome, CLOSED)
+            except errors.RequestError as e:
+                _settle(outcome, error=e)
+                raise
 
     def _done(self, task: asyncio.Task) -> None:
-        # Wake a feeder blocked on a full queue: the store no longer reads it.
-        while not self._queue.empty():
-            self._queue.get_nowait()
         self._cancel_expiry()
         self.manager._forget(self)
-        if not task.cancelled() and task.exception() is None:
-            if not self.finishing:
-                self.early = True
-            self.manager._remember(self.key, self.response_size())
+        if task.cancelled():
+            _settle(self._outcome, error=UploadAborted(f"upload of {self.digest} was abandoned"))
+            return
+        error = task.exception()
+        if error is not None:
+            _settle(self._outcome, error=error)
+            return
+        if not self.finishing:
+            self.early = True
+        _settle(self._outcome, STORED)
+        self.manager._remember(self.key, self.response_size())
 
     def response_size(self) -> int:
         """committed_size to report once the blob is stored."""
@@ -101,26 +147,17 @@ class Upload:
             return self.committed
         return -1 if self.resource.compressor is not None else self.digest.size_bytes
 
-    def _failure(self) -> BaseException:
-        if self.task.cancelled():
-            return UploadAborted(f"upload of {self.digest} was abandoned")
-        return self.task.exception() or UploadAborted(f"upload of {self.digest} ended before finish_write")
+    def attach(self, first: bs_pb2.WriteRequest, iterator: AsyncIterator[bs_pb2.WriteRequest]) -> asyncio.Future:
+        """Feed the upload from this stream; the future says how the stream ended."""
+        self._cancel_expiry()
+        self.attached = True
+        self._outcome = asyncio.get_running_loop().create_future()
+        self._stream = (first, iterator)
+        _settle(self._waiter)
+        return self._outcome
 
-    async def feed(self, data: bytes) -> None:
-        if self.task.done():
-            if not self.task.cancelled() and self.task.exception() is None:
-                raise AlreadyStored()
-            raise self._failure()
-        await self._queue.put(data)
-        self.committed += len(data)
-
-    async def finish(self) -> None:
-        """No more data: wait until the store verified and published the blob (or refused it)."""
-        if self.task.done() and not self.task.cancelled() and self.task.exception() is None:
-            self.early = True
-        self.finishing = True
-        if not self.task.done():
-            await self._queue.put(_END)
+    async def wait_stored(self) -> None:
+        """After FINISHED: wait until the store verified and published the blob (or refused it)."""
         try:
             # A client that disconnects now does not undo its upload.
             await asyncio.shield(self.task)
@@ -128,10 +165,6 @@ class Upload:
             if self.task.cancelled():
                 raise UploadAborted(f"upload of {self.digest} was abandoned") from None
             raise
-
-    def attach(self) -> None:
-        self._cancel_expiry()
-        self.attached = True
 
     def detach(self) -> None:
         """The feeding stream went away: stay resumable for the grace period."""
@@ -166,8 +199,8 @@ class Uploads:
     def get(self, key: tuple) -> Upload | None:
         return self._active.get(key)
 
-    def start(self, key: tuple, resource: ResourceName) -> Upload:
-        upload = Upload(self, key, resource)
+    def start(self, key: tuple, resource: ResourceName, name: str) -> Upload:
+        upload = Upload(self, key, resource, name)
         self._active[key] = upload
         self._completed.pop(key, None)
         return upload
@@ -203,7 +236,7 @@ class ByteStreamService:
 
     def __init__(self, blobs: BlobStore, uploads: Uploads | None = None) -> None:
         self.blobs = blobs
-        self.uploads = uploads or Uploads(blobs)
+        self.uploads = uploads if uploads is not None else Uploads(blobs)
 
     async def _exists(self, resource: ResourceName) -> bool:
         return not await find_missing(self.blobs, [resource.digest])
@@ -273,45 +306,18 @@ class ByteStreamService:
                 raise errors.InvalidArgument(
                     f"write_offset {offset} but nothing is committed for {name[:200]}; start at 0"
                 )
-            upload = self.uploads.start(key, resource)
+            upload = self.uploads.start(key, resource, name)
 
-        upload.attach()
+        outcome = upload.attach(first, iterator)
         try:
-            request = first
-            while True:
-                if request.resource_name and request.resource_name != name:
-                    upload.abort()
-                    raise errors.InvalidArgument("resource_name changed within one Write stream")
-                if request.write_offset != upload.committed:
-                    upload.abort()
-                    raise errors.InvalidArgument(
-                        f"write_offset {request.write_offset} does not match the committed size {upload.committed}"
-                    )
-                if request.data:
-                    try:
-                        await upload.feed(request.data)
-                    except AlreadyStored:
-                        logs.note(bytes=upload.committed, complete=True, early=True)
-                        return bs_pb2.WriteResponse(committed_size=upload.response_size())
-                if request.finish_write:
-                    await upload.finish()
-                    logs.note(bytes=upload.committed, complete=True)
-                    return bs_pb2.WriteResponse(committed_size=upload.response_size())
-                try:
-                    request = await iterator.__anext__()
-                except StopAsyncIteration:
-                    break
-            # The client closed its side without finish_write: the upload stays resumable.
-            logs.note(bytes=upload.committed, complete=False)
-            return bs_pb2.WriteResponse(committed_size=upload.committed)
-        except (asyncio.CancelledError, grpc.aio.AbortError, errors.RequestError):
-            raise
-        except Exception as exc:
-            # The store refused the data (mismatch, capacity, ...) or the stream broke: a write
-            # that failed for any reason other than a vanished client is not resumable.
-            if not isinstance(exc, (ConnectionError, EOFError)):
-                upload.abort()
-            raise
+            result = await outcome
+            if result == FINISHED:
+                await upload.wait_stored()
+            logs.note(bytes=upload.committed, outcome=result)
+            if result == CLOSED:
+                # The client closed its side without finish_write: the upload stays resumable.
+                return bs_pb2.WriteResponse(committed_size=upload.committed)
+            return bs_pb2.WriteResponse(committed_size=upload.response_size())
         finally:
             upload.detach()
 

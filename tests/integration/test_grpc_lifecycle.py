@@ -1,0 +1,285 @@
+"""The server process: restart persistence, clean shutdown with uploads in flight, start-up errors,
+abandoned uploads, request logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from conftest import CLIENT_OPTIONS, make_stubs
+from reapi_client import batch_update, blob, digest, iterate, key, missing, read, upload_name, write, write_requests
+from server_process import ServerProcess
+from test_grpc_bytestream import query, start_and_break, wait_committed
+
+from buildvault.remote_apis import bs_pb2, re_pb2
+
+MiB = 1 << 20
+
+
+async def connect(address: str):
+    channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    await channel.channel_ready()
+    return channel, make_stubs(channel)
+
+
+def tmp_files(server: ServerProcess) -> list[str]:
+    tmp = server.data_dir / "tmp"
+    return sorted(os.listdir(tmp)) if tmp.exists() else []
+
+
+async def test_restart_keeps_blobs_and_action_results(buildvault_server):
+    small, large = blob(1000), blob(3 * MiB)
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        await batch_update(stubs, [small])
+        await write(stubs, large)
+        action = digest(b"action " + os.urandom(8))
+        result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="out", digest=digest(large))])
+        await stubs.ac.UpdateActionResult(re_pb2.UpdateActionResultRequest(action_digest=action, action_result=result))
+    address = buildvault_server.grpc_address
+    buildvault_server.restart()
+    assert buildvault_server.grpc_address == address  # same port again
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        assert await missing(stubs, [digest(small), digest(large)]) == set()
+        assert await read(stubs, digest(large)) == large
+        got = await stubs.ac.GetActionResult(re_pb2.GetActionResultRequest(action_digest=action))
+        assert got == result
+
+
+async def test_sigterm_lets_inflight_upload_finish(buildvault_server):
+    data = blob(4 * MiB)
+    d = digest(data)
+    name = upload_name(d)
+    requests = write_requests(name, data, chunk=MiB)
+    proceed = asyncio.Event()
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+
+        async def stream():
+            for request in requests[:2]:
+                yield request
+            await proceed.wait()
+            for request in requests[2:]:
+                yield request
+
+        call = stubs.bytestream.Write(stream())
+        assert (await wait_committed(stubs, name, 2 * MiB)).committed_size == 2 * MiB
+        buildvault_server.process.send_signal(15)
+        await asyncio.sleep(0.3)  # the server is now draining; the upload goes on
+        assert buildvault_server.running
+        proceed.set()
+        reply = await call
+        assert reply.committed_size == len(data)
+    assert buildvault_server.process.wait(30) == 0
+    assert "shutting down" in buildvault_server.output()
+    buildvault_server.start()
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        assert await read(stubs, d) == data
+
+
+async def test_shutdown_aborts_unfinished_uploads(buildvault_server):
+    data = blob(3 * MiB)
+    d = digest(data)
+    name = upload_name(d)
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        # a broken stream: resumable for the grace period, but a shutdown abandons it
+        await start_and_break(stubs, write_requests(name, data, chunk=MiB)[:2], 2 * MiB, name)
+        assert (await query(stubs, name)).committed_size == 2 * MiB
+    started = time.monotonic()
+    assert buildvault_server.stop() == 0
+    assert time.monotonic() - started < 15
+    assert tmp_files(buildvault_server) == []
+    buildvault_server.start()
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        assert await missing(stubs, [d]) == {key(d)}
+        assert (await query(stubs, name)).committed_size == 0
+
+
+async def test_second_signal_cancels_inflight_uploads(buildvault_server):
+    data = blob(3 * MiB)
+    d = digest(data)
+    name = upload_name(d)
+    hold = asyncio.Event()
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+
+        async def stream():
+            for request in write_requests(name, data, chunk=MiB)[:2]:
+                yield request
+            await hold.wait()
+
+        call = stubs.bytestream.Write(stream())
+        await wait_committed(stubs, name, 2 * MiB)
+        buildvault_server.process.send_signal(15)
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        buildvault_server.process.send_signal(15)
+        assert buildvault_server.process.wait(15) == 0
+        assert time.monotonic() - started < 10
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call
+        hold.set()
+    assert tmp_files(buildvault_server) == []
+    buildvault_server.start()
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        assert await missing(stubs, [d]) == {key(d)}
+
+
+async def test_killed_server_publishes_nothing_partial(buildvault_server):
+    data = blob(3 * MiB)
+    d = digest(data)
+    name = upload_name(d)
+    hold = asyncio.Event()
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+
+        async def stream():
+            for request in write_requests(name, data, chunk=MiB)[:2]:
+                yield request
+            await hold.wait()
+
+        call = stubs.bytestream.Write(stream())
+        await wait_committed(stubs, name, 2 * MiB)
+        buildvault_server.kill()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call
+        hold.set()
+    buildvault_server.start()
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        assert await missing(stubs, [d]) == {key(d)}
+    assert tmp_files(buildvault_server) == []  # start-up clears leftovers
+
+
+def test_port_in_use_and_locked_dir_fail_cleanly(buildvault_server, buildvault_server_factory, tmp_path):
+    busy = ServerProcess(tmp_path / "other" / "data", grpc_address=buildvault_server.grpc_address, name="busy")
+    with pytest.raises(Exception, match="did not become ready"):
+        busy.start(timeout=30)
+    assert busy.process.returncode == 1 and "cannot listen" in busy.output()
+    locked = ServerProcess(buildvault_server.data_dir, name="locked")
+    with pytest.raises(Exception, match="did not become ready"):
+        locked.start(timeout=30)
+    assert locked.process.returncode == 1 and "data directory" in locked.output()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--max-size", "banana"], "max_size"),
+        (["--grpc-address", "nowhere"], "grpc_address"),
+        (["--log-level", "chatty"], "log_level"),
+        (["--config", "/nonexistent/buildvault.toml"], "config file"),
+    ],
+)
+def test_bad_settings_exit_2(tmp_path, args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "buildvault.cli", "serve", "--dir", str(tmp_path / "d"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+async def test_debug_logs_one_json_line_per_request(buildvault_server_factory):
+    server = buildvault_server_factory("debug", log_level="debug")
+    channel, stubs = await connect(server.grpc_address)
+    async with channel:
+        await stubs.capabilities.GetCapabilities(re_pb2.GetCapabilitiesRequest())
+        await missing(stubs, [digest(b"x")])
+        with pytest.raises(grpc.aio.AioRpcError):
+            await read(stubs, digest(b"nope"))
+    server.stop()
+    lines = [json.loads(line) for line in server.output().splitlines() if line.startswith("{")]
+    requests = [line for line in lines if line.get("logger") == "buildvault.request"]
+    assert [(r["rpc"], r["code"]) for r in requests] == [
+        ("GetCapabilities", "OK"),
+        ("FindMissingBlobs", "OK"),
+        ("Read", "NOT_FOUND"),
+    ]
+    assert requests[1]["digests"] == 1 and requests[1]["missing"] == 1
+    assert all("ms" in r and "ts" in r for r in requests)
+    assert server.output().startswith("buildvault ready:") or "buildvault ready:" in server.output()
+
+
+async def test_info_logs_no_request_lines(buildvault_server):
+    channel, stubs = await connect(buildvault_server.grpc_address)
+    async with channel:
+        await missing(stubs, [digest(b"x")])
+    buildvault_server.stop()
+    assert '"buildvault.request"' not in buildvault_server.output()
+
+
+# -- in-process: abandoned uploads expire ----------------------------------------------------------
+
+
+async def test_abandoned_upload_expires(app_server):
+    stubs = app_server.stubs
+    data = blob(MiB)
+    d = digest(data)
+    name = upload_name(d)
+    reply = await stubs.bytestream.Write(iterate(write_requests(name, data[:300_000], finish=False)))
+    assert reply.committed_size == 300_000
+    uploads = app_server.app.services.uploads
+    assert len(uploads) == 1
+    deadline = time.monotonic() + 10
+    while len(uploads) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(uploads) == 0  # the 0.5 s grace passed: aborted
+    assert (await query(stubs, name)).committed_size == 0
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stubs.bytestream.Write(iterate(write_requests(name, data, start=300_000)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await missing(stubs, [d]) == {key(d)}
+    # starting over works
+    assert (await stubs.bytestream.Write(iterate(write_requests(name, data)))).committed_size == len(data)
+
+
+async def test_second_stream_on_an_attached_upload_is_aborted(app_server):
+    stubs = app_server.stubs
+    data = blob(MiB)
+    name = upload_name(digest(data))
+    hold = asyncio.Event()
+
+    async def stream():
+        yield write_requests(name, data, finish=False)[0]
+        await hold.wait()
+
+    call = stubs.bytestream.Write(stream())
+    await wait_committed(stubs, name, 64 << 10)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stubs.bytestream.Write(iterate(write_requests(name, data, start=64 << 10)))
+    assert e.value.code() == grpc.StatusCode.ABORTED
+    hold.set()
+    reply = await call
+    assert reply.committed_size == 64 << 10
+    reply = await stubs.bytestream.Write(iterate(write_requests(name, data, start=64 << 10)))
+    assert reply.committed_size == len(data)
+
+
+async def test_unimplemented_methods(app_server):
+    stubs = app_server.stubs
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stubs.cas.SplitBlob(re_pb2.SplitBlobRequest(blob_digest=digest(b"x")))
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_in_process_read_write(app_server):
+    data = blob(2 * MiB)
+    assert await write(app_server.stubs, data) == len(data)
+    assert await read(app_server.stubs, digest(data)) == data
+    request = bs_pb2.ReadRequest(resource_name=f"blobs/{digest(data).hash}/{len(data)}", read_offset=5)
+    assert b"".join([r.data async for r in app_server.stubs.bytestream.Read(request)]) == data[5:]
