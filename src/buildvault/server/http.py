@@ -40,6 +40,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, S
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import zstandard
 from aiohttp import web
 
@@ -80,6 +81,8 @@ _ZSTD_MAX_FRAME_HEADER = 18
 COMPLETE, INCOMPLETE, OPAQUE = "complete", "incomplete", "opaque"
 _PAGES = frozenset({"/", "/status", "/status.html", "/metrics"})
 HTTP_CACHE_KEY = web.AppKey("buildvault_http_cache", object)
+# The `kind` metrics label of a request, set by the handler that recognised it.
+_KIND: Any = web.RequestKey("buildvault_kind", str) if hasattr(web, "RequestKey") else "buildvault_kind"
 
 
 # --------------------------------------------------------------------------------------------
@@ -322,12 +325,12 @@ class HttpCache:
 
     # -- dispatch ------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        request["bv_kind"] = "other"
+        request[_KIND] = "other"
         try:
             if request.path in _PAGES:
                 raise _HttpError(405, f"method {request.method[:16]} not allowed", {"Allow": "GET, HEAD"})
             path = parse_cache_path(request.rel_url.raw_path)
-            request["bv_kind"] = path.kind
+            request[_KIND] = path.kind
             if request.method in ("GET", "HEAD"):
                 if path.kind == "cas":
                     return await self._get_cas(request, path)
@@ -341,6 +344,8 @@ class HttpCache:
             return _error(e.status, str(e), e.headers)
         except (asyncio.CancelledError, ConnectionError):
             raise
+        except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError) as e:
+            return _error(400, f"bad request body: {e}")
         except Exception as e:  # noqa: BLE001 - the one place exceptions become HTTP statuses
             if is_internal(e):
                 log.error("internal error on %s %s", request.method, request.rel_url.raw_path[:200], exc_info=e)
@@ -539,15 +544,15 @@ class HttpCache:
         }
 
     async def status_json(self, request: web.Request) -> web.Response:
-        request["bv_kind"] = "status"
+        request[_KIND] = "status"
         return web.json_response(await self.status_document(), dumps=lambda d: json.dumps(d, indent=2) + "\n")
 
     async def status_html(self, request: web.Request) -> web.Response:
-        request["bv_kind"] = "status"
+        request[_KIND] = "status"
         return web.Response(text=_render_html(await self.status_document()), content_type="text/html")
 
     async def metrics_text(self, request: web.Request) -> web.Response:
-        request["bv_kind"] = "metrics"
+        request[_KIND] = "metrics"
         await self.refresh_storage()
         response = web.Response(body=self.metrics.render())
         response.headers["Content-Type"] = self.metrics.content_type
@@ -765,7 +770,7 @@ def _request_middleware(metrics: Metrics) -> Any:
             status = "aborted"
             raise
         finally:
-            kind = request.get("bv_kind", "other")
+            kind = request.get(_KIND, "other")
             metrics.observe_request("http", http_method_label(request.method), kind, status, time.perf_counter() - start)
             if token is not None:
                 logs.note(path=request.rel_url.raw_path[:200])
