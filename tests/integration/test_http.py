@@ -331,20 +331,28 @@ async def test_incomplete_action_result_is_not_served_until_complete(http, stubs
     assert (await get(http, f"/ac/{key}"))[1] == body
 
 
-async def test_ac_entry_loses_its_blob(buildvault_server_factory):
-    """A real entry whose blob is gone (here: evicted by a tiny cap) is a miss, not a broken hit."""
-    server = buildvault_server_factory("tiny", extra_args=["--max-size", "64KiB"])
-    async with aiohttp.ClientSession(f"http://{server.http_address}") as session:
-        out = os.urandom(20_000)
-        await put(session, f"/cas/{sha(out)}", out)
-        key = sha(b"evictable")
-        await put(session, f"/ac/{key}", action_result(("o", out)).SerializeToString())
-        assert (await get(session, f"/ac/{key}"))[0] == 200
-        for _ in range(5):  # push the blob out
-            filler = os.urandom(20_000)
-            await put(session, f"/cas/{sha(filler)}", filler)
-        if (await get(session, f"/cas/{sha(out)}"))[0] == 404:
-            assert (await get(session, f"/ac/{key}"))[0] == 404
+async def test_real_ac_entry_whose_blob_is_gone_is_a_miss():
+    """A real entry whose blob disappeared (evicted) is a miss, never a hit a client cannot use."""
+    blobs, actions = MemoryBlobStore(), MemoryActionStore()
+    listener = HttpListener("127.0.0.1:0", create_app(SizeIndexedBlobStore(blobs), actions))
+    await listener.start()
+    try:
+        async with aiohttp.ClientSession(f"http://{listener.address}") as session:
+            out = os.urandom(20_000)
+            await put(session, f"/cas/{sha(out)}", out)
+            key = sha(b"evictable")
+            body = action_result(("o", out)).SerializeToString()
+            await put(session, f"/i/ac/{key}", body)
+            assert [ns for ns, _ in actions._entries] == ["ac/i"]  # a real entry, not a raw one
+            assert (await get(session, f"/i/ac/{key}"))[1] == body
+            blobs._blobs.clear()  # what eviction does
+            assert (await get(session, f"/i/ac/{key}"))[0] == 404
+            async with session.head(f"/i/ac/{key}") as response:
+                assert response.status == 404
+            await put(session, f"/cas/{sha(out)}", out)  # uploaded again: a hit again
+            assert (await get(session, f"/i/ac/{key}"))[1] == body
+    finally:
+        await listener.stop(1)
 
 
 async def test_ac_zstd_put_and_get(http):
