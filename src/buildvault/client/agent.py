@@ -53,6 +53,7 @@ from .roots import Roots, find_cmake_roots, parse_roots
 
 MANIFEST_ENTRIES = 8
 RETRY_SECONDS = float(os.environ.get("BUILDVAULT_RETRY_SECONDS", "10"))
+DEBUG = os.environ.get("BUILDVAULT_DEBUG", "") not in ("", "0")
 
 
 def _now_ts():
@@ -135,6 +136,8 @@ class Agent:
         except OSError as e:
             return {"op": "bypass", "reason": f"error: {e}"}
         self._ok()
+        if DEBUG:
+            print(f"lookup {p.source_abs}: compiler={p.compiler_id[:12]} hit={hit is not None}", file=sys.stderr, flush=True)
         if hit is not None:
             return hit
         token = uuid.uuid4().hex
@@ -490,6 +493,8 @@ def serve(socket_path: str, idle: float) -> int:
     instance = os.environ.get("BUILDVAULT_INSTANCE", "")
     writer = os.environ.get("BUILDVAULT_WRITER", "") in ("1", "true", "yes", "on")
     timeout = float(os.environ.get("BUILDVAULT_TIMEOUT", "3"))
+    socket_path = os.path.abspath(socket_path)
+    os.chdir("/")
     lock_fd = os.open(socket_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + 5.0
     while True:

@@ -131,7 +131,7 @@ class CompilerIdentity:
         run_env["LC_ALL"] = "C"
         try:
             version = subprocess.run(
-                [path, "--version"], capture_output=True, timeout=20, env=run_env, stdin=subprocess.DEVNULL
+                [path, "--version"], capture_output=True, timeout=20, env=run_env, stdin=subprocess.DEVNULL, cwd="/"
             )
         except (OSError, subprocess.TimeoutExpired) as e:
             raise Uncacheable(f"compiler --version failed: {e}") from None

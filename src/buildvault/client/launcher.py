@@ -81,6 +81,7 @@ def _spawn_agent(path: str) -> None:
     if pid == 0:  # pragma: no cover - child
         try:
             os.setsid()
+            os.chdir("/")  # never pin (or depend on) the build directory of the first compile
             if os.fork():
                 os._exit(0)
             null = os.open(os.devnull, os.O_RDONLY)
@@ -247,7 +248,8 @@ def _source_of(argv: list[str]) -> str | None:
     return None
 
 
-def compile_through_cache(argv: list[str]) -> int:
+def compile_through_cache(argv: list[str], state: dict | None = None) -> int:
+    state = {} if state is None else state
     start = time.monotonic()
     event = {"status": "BYPASS", "reason": "", "action": None, "outputs": 0, "source": _source_of(argv),
              "cwd": os.getcwd()}
@@ -263,8 +265,9 @@ def compile_through_cache(argv: list[str]) -> int:
         _warn_once("agent", "buildvault-cc: local agent unavailable; compiling locally (see agent.log in "
                    f"{protocol.agent_dir()})")
         event["reason"] = "agent-unavailable"
+        state["ran"] = True
         return finish(run(argv))
-    with sock:
+    try:
         try:
             protocol.send(sock, {"op": "compile", "argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)})
             reply = protocol.recv(sock)
@@ -273,6 +276,7 @@ def compile_through_cache(argv: list[str]) -> int:
         if reply is None:
             _warn_once("agent", "buildvault-cc: local agent failed; compiling locally")
             event["reason"] = "agent-failed"
+            state["ran"] = True
             return finish(run(argv))
         if reply.get("warning"):
             _warn(reply["warning"])
@@ -283,6 +287,7 @@ def compile_through_cache(argv: list[str]) -> int:
             event["saved"] = round(max(0.0, reply.get("compile_seconds", 0.0) - (time.monotonic() - start)), 4)
             return finish(int(reply["exit"]))
         if op == "run":
+            state["ran"] = True
             code, out, err, seconds = run_captured(reply["argv"])
             event["status"] = "MISS"
             try:
@@ -297,6 +302,9 @@ def compile_through_cache(argv: list[str]) -> int:
             event["compile_seconds"] = round(seconds, 4)
             return finish(code)
         event["reason"] = reply.get("reason", "bypass")
+    finally:
+        sock.close()
+    state["ran"] = True
     return finish(run(argv))
 
 
@@ -305,9 +313,11 @@ def _control(op: str) -> int:
     if sock is None:
         print("no agent running")
         return 1 if op == "ping" else 0
-    with sock:
+    try:
         protocol.send(sock, {"op": op})
         reply = protocol.recv(sock)
+    finally:
+        sock.close()
     print(_json(reply))
     return 0
 
@@ -335,7 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             _warn(f"buildvault-cc: cannot run {args[0]}: {e}")
             return 127
-    return compile_through_cache(args)
+    state = {"ran": False}
+    try:
+        return compile_through_cache(args, state)
+    except Exception as e:  # a launcher bug must never break a build
+        if state["ran"]:
+            raise
+        _warn(f"buildvault-cc: internal error ({type(e).__name__}: {e}); compiling locally")
+        return run(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,199 @@
+"""buildvault-cc invoked directly (no CMake) against a live buildvault server: path-dependent
+outputs, diagnostics replay, read-only mode, bypasses, fail-open, the summary command."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from launcher_harness import launcher_command, make_env, read_events
+
+
+class Tree:
+    """A checkout with a source and a header, and its build dir; compiles through the shim."""
+
+    def __init__(self, root: Path, toolchain, env, source: str, header: str = "#define V 1\n"):
+        self.root = root
+        self.build = root / "build"
+        self.build.mkdir(parents=True, exist_ok=True)
+        (root / "inc").mkdir(exist_ok=True)
+        (root / "inc" / "v.h").write_text(header)
+        (root / "a.cc").write_text(source)
+        self.toolchain = toolchain
+        self.env = dict(env)
+        self.env["BUILDVAULT_ROOTS"] = f"SRC={root},BUILD={self.build}"
+        self.env["SHIM_LOG"] = str(toolchain.log)
+
+    def compile(self, *flags: str, launcher: bool = True, output: str = "a.o") -> subprocess.CompletedProcess:
+        argv = [self.toolchain.cxx, *flags, f"-I{self.root}/inc", "-MD", "-MF", output + ".d", "-o", output,
+                "-c", str(self.root / "a.cc")]
+        if launcher:
+            argv = [launcher_command(), *argv]
+        return subprocess.run(argv, cwd=self.build, env=self.env, capture_output=True, text=True, timeout=120)
+
+    def obj(self, name: str = "a.o") -> bytes:
+        return (self.build / name).read_bytes()
+
+
+def real_compiles(toolchain) -> int:
+    return len(toolchain.take())
+
+
+@pytest.fixture
+def live(server, env_factory, tmp_path, toolchain, require_gxx):
+    events = tmp_path / "events.jsonl"
+    env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))
+    return env, events
+
+
+SIMPLE = '#include "v.h"\n#include <vector>\nint f() { std::vector<int> v(V); return (int)v.size(); }\n'
+
+
+def test_hit_replays_diagnostics_with_this_checkouts_paths(live, tmp_path, toolchain):
+    env, events = live
+    source = '#include "v.h"\n#warning "check tiling"\nint f() { return V; }\n'
+    a = Tree(tmp_path / "a", toolchain, env, source)
+    b = Tree(tmp_path / "elsewhere" / "b", toolchain, env, source)
+    first = a.compile()
+    assert first.returncode == 0 and f"{a.root}/a.cc" in first.stderr and "check tiling" in first.stderr
+    toolchain.take()
+    second = b.compile()
+    assert second.returncode == 0
+    assert real_compiles(toolchain) == 0
+    assert f"{b.root}/a.cc" in second.stderr and str(a.root) not in second.stderr
+    assert b.obj() == a.obj()
+    # The dependency file names this checkout's files.
+    deps = (b.build / "a.o.d").read_text()
+    assert f"{b.root}/inc/v.h" in deps and str(a.root) not in deps
+    assert [e["status"] for e in read_events(events)] == ["MISS", "HIT"]
+
+
+@pytest.mark.parametrize(
+    "flags, source",
+    [
+        (["-g"], SIMPLE),  # debug info records the checkout and build paths
+        ([], '#include "v.h"\nconst char* where() { return __FILE__; }\n'),  # __FILE__ is the absolute path
+    ],
+    ids=["debug-info", "__FILE__"],
+)
+def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(live, tmp_path, toolchain, flags, source):
+    env, events = live
+    a = Tree(tmp_path / "a", toolchain, env, source)
+    b = Tree(tmp_path / "b", toolchain, env, source)
+    assert a.compile(*flags).returncode == 0
+    assert read_events(events)[-1]["reason"] == "stored-exact"
+    toolchain.take()
+    assert b.compile(*flags).returncode == 0
+    assert real_compiles(toolchain) == 1  # not a (wrong) hit from checkout a
+    via_cache = b.obj()
+    assert b.compile(*flags, launcher=False, output="fresh.o").returncode == 0
+    assert via_cache == b.obj("fresh.o")
+    # The same checkout again is a hit, byte-identical.
+    (a.build / "a.o").unlink()
+    before = a.obj  # noqa: F841
+    toolchain.take()
+    assert a.compile(*flags).returncode == 0
+    assert real_compiles(toolchain) == 0
+    assert a.compile(*flags, launcher=False, output="fresh.o").returncode == 0
+    assert a.obj() == a.obj("fresh.o")
+
+
+def test_read_only_client_never_stores(server, env_factory, tmp_path, toolchain, require_gxx):
+    events = tmp_path / "events.jsonl"
+    env = env_factory(server, writer=False, BUILDVAULT_EVENT_LOG=str(events))
+    t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
+    assert t.compile().returncode == 0
+    assert t.compile().returncode == 0
+    assert real_compiles(toolchain) == 2
+    assert [(e["status"], e["reason"]) for e in read_events(events)] == [("MISS", "read-only")] * 2
+
+
+def test_unsupported_lines_and_failures_run_the_compiler_untouched(live, tmp_path, toolchain):
+    env, events = live
+    t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
+    pre = subprocess.run([launcher_command(), toolchain.cxx, "-I", str(t.root / "inc"), "-E", str(t.root / "a.cc")],
+                         cwd=t.build, env=t.env, capture_output=True, text=True)
+    assert pre.returncode == 0 and "std" in pre.stdout
+    (t.root / "a.cc").write_text("int f( {\n")
+    for _ in range(2):
+        bad = t.compile()
+        assert bad.returncode != 0 and "error" in bad.stderr
+    assert real_compiles(toolchain) == 2  # a failed compile is never cached
+    statuses = [(e["status"], e["reason"]) for e in read_events(events)]
+    assert statuses == [("BYPASS", "preprocess-only"), ("MISS", "compile-failed"), ("MISS", "compile-failed")]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_server_compiles_locally_with_one_warning(env_factory, tmp_path, toolchain, require_gxx):
+    events = tmp_path / "events.jsonl"
+    env = env_factory(None, remote=f"grpc://127.0.0.1:{_closed_port()}", BUILDVAULT_EVENT_LOG=str(events))
+    t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
+    results = [t.compile(output=f"o{i}.o") for i in range(3)]
+    assert all(r.returncode == 0 for r in results)
+    assert all((t.build / f"o{i}.o").exists() for i in range(3))
+    assert sum(r.stderr.count("remote cache unavailable") for r in results) == 1
+    assert real_compiles(toolchain) == 3
+    assert [e["status"] for e in read_events(events)] == ["BYPASS"] * 3
+
+
+def test_server_that_never_answers_costs_a_bounded_wait(env_factory, tmp_path, toolchain, require_gxx):
+    """A black-hole server (accepts TCP, never speaks): the timeout bounds the wait, then local."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        env = env_factory(None, remote=f"grpc://127.0.0.1:{listener.getsockname()[1]}", BUILDVAULT_TIMEOUT="1")
+        t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
+        t.compile(output="warmup.o")  # starts the agent (not what we time)
+        start = time.monotonic()
+        r = t.compile()
+        assert r.returncode == 0 and (t.build / "a.o").exists()
+        assert time.monotonic() - start < 8
+    finally:
+        stop.set()
+        thread.join(5)
+        for c in held:
+            c.close()
+        listener.close()
+
+
+def test_no_remote_configured_just_runs_the_compiler(tmp_path, toolchain, require_gxx):
+    env = make_env(None, remote="unused")
+    del env["BUILDVAULT_REMOTE"]
+    t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
+    assert t.compile().returncode == 0
+    assert real_compiles(toolchain) == 1
+    assert not any(Path(env["BUILDVAULT_AGENT_DIR"]).glob("*.sock"))
+
+
+def test_summary_command(live, tmp_path, toolchain):
+    env, events = live
+    t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
+    t.compile()
+    (t.build / "a.o").unlink()
+    t.compile()
+    out = subprocess.run([launcher_command(), "--summary", str(events)], capture_output=True, text=True, check=True)
+    assert "hits:             1" in out.stdout and "misses:           1" in out.stdout
+    assert "time saved:" in out.stdout
