@@ -80,32 +80,51 @@ async def find_missing(cas: re_grpc.ContentAddressableStorageStub, calls: int) -
     return calls / (time.perf_counter() - started)
 
 
-async def run(target: str, size: int, rounds: int) -> None:
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process (0 when unknown): wall time lies on a busy machine."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+async def run(target: str, size: int, rounds: int, server_pid: int | None = None) -> None:
     async with grpc.aio.insecure_channel(target, options=OPTIONS) as channel:
         await channel.channel_ready()
         bs = bs_grpc.ByteStreamStub(channel)
         cas = re_grpc.ContentAddressableStorageStub(channel)
         rows = []
-        for chunk in (MiB, 64 << 10):
-            times = []
+
+        async def measure(label: str, nbytes: int, op) -> None:
+            times, cpu = [], []
             for _ in range(rounds):
-                data = os.urandom(size)
-                times.append(await write(bs, data, chunk))
-            rows.append((f"ByteStream.Write {size // MiB} MiB, {chunk >> 10} KiB chunks", size, min(times)))
-        reads, zreads = [], []
-        for _ in range(rounds):
-            reads.append(await read(bs, data))
-        rows.append((f"ByteStream.Read {size // MiB} MiB", size, min(reads)))
-        text = (b"buildvault throughput line %d\n" * 1)
-        compressible = b"".join(text % i for i in range(size // 32))[:size]
+                before = cpu_seconds(server_pid)
+                times.append(await op())
+                cpu.append(cpu_seconds(server_pid) - before)
+            rows.append((label, nbytes, min(times), min(cpu)))
+
+        for chunk in (MiB, 64 << 10):
+            await measure(
+                f"ByteStream.Write {size // MiB} MiB, {chunk >> 10} KiB chunks", size, lambda: write(bs, os.urandom(size), chunk)
+            )
+        data = os.urandom(size)
+        await write(bs, data, MiB)
+        await measure(f"ByteStream.Read {size // MiB} MiB", size, lambda: read(bs, data))
+        text = b"buildvault throughput line %d\n"
+        compressible = b"".join(text % i for i in range(size // 24))[:size]
         await write(bs, compressible, MiB)
-        for _ in range(rounds):
-            zreads.append(await read(bs, compressible, compressed=True))
-        rows.append((f"ByteStream.Read {size // MiB} MiB zstd (text)", size, min(zreads)))
-        for label, nbytes, seconds in rows:
-            print(f"{label:<48} {nbytes / seconds / 1e6:8.0f} MB/s  ({seconds * 1000:.0f} ms)")
+        await measure(f"ByteStream.Read {size // MiB} MiB zstd (text)", size, lambda: read(bs, compressible, compressed=True))
+        for label, nbytes, seconds, cpu in rows:
+            server = f", server CPU {cpu * 1000:.0f} ms = {nbytes / cpu / 1e6:.0f} MB/CPU-s" if cpu else ""
+            print(f"{label:<48} {nbytes / seconds / 1e6:8.0f} MB/s  ({seconds * 1000:.0f} ms{server})")
+        before = cpu_seconds(server_pid)
         rate = await find_missing(cas, 200)
-        print(f"{'FindMissingBlobs, 1000 digests (sequential)':<48} {rate:8.0f} calls/s")
+        cpu = (cpu_seconds(server_pid) - before) / 200
+        server = f"  (server CPU {cpu * 1000:.2f} ms/call)" if cpu else ""
+        print(f"{'FindMissingBlobs, 1000 digests (sequential)':<48} {rate:8.0f} calls/s{server}")
 
 
 def main() -> None:
@@ -121,7 +140,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="buildvault-bench-") as tmp:
         with ServerProcess(Path(tmp) / "data", http_address="") as server:
-            asyncio.run(run(server.grpc_address, args.size_mib * MiB, args.rounds))
+            asyncio.run(run(server.grpc_address, args.size_mib * MiB, args.rounds, server.pid))
 
 
 if __name__ == "__main__":

@@ -256,23 +256,31 @@ class ByteStreamService:
             raise errors.OutOfRange(f"read_offset {offset} is past the end of {digest}")
         logs.note(resource=str(digest), offset=offset, limit=limit, compressor=resource.compressor)
         if is_empty(digest):
-            chunks: AsyncIterator[bytes] = _nothing()
+            source: AsyncIterator[bytes] = _nothing()
         else:
             try:
-                chunks = await self.blobs.read(digest, offset, limit)
+                source = await self.blobs.read(digest, offset, limit)
             except InvalidRange as e:
                 raise errors.OutOfRange(str(e)) from None
+        chunks = source
         if resource.compressor is not None:
-            chunks = zstd_compress_stream(chunks, digest.size_bytes - offset)
+            chunks = zstd_compress_stream(source, digest.size_bytes - offset)
         sent = 0
-        async for chunk in chunks:
-            if len(chunk) <= READ_CHUNK_SIZE:
-                await context.write(bs_pb2.ReadResponse(data=chunk))
-            else:
-                view = memoryview(chunk)
-                for start in range(0, len(chunk), READ_CHUNK_SIZE):
-                    await context.write(bs_pb2.ReadResponse(data=bytes(view[start : start + READ_CHUNK_SIZE])))
-            sent += len(chunk)
+        try:
+            async for chunk in chunks:
+                if len(chunk) <= READ_CHUNK_SIZE:
+                    await context.write(bs_pb2.ReadResponse(data=chunk))
+                else:
+                    view = memoryview(chunk)
+                    for start in range(0, len(chunk), READ_CHUNK_SIZE):
+                        await context.write(bs_pb2.ReadResponse(data=bytes(view[start : start + READ_CHUNK_SIZE])))
+                sent += len(chunk)
+        finally:
+            # A client that goes away mid-read must not leave the store's file open.
+            for iterator in (chunks, source) if chunks is not source else (source,):
+                aclose = getattr(iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
         logs.note(bytes=sent)
 
     @rpc("Write")
