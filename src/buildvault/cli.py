@@ -93,7 +93,7 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
     try:
         try:
             await app.start()
-        except StartupError as e:
+        except (StartupError, OSError) as e:
             print(f"buildvault: {e}", file=sys.stderr)
             return 1
         await stop.wait()

@@ -116,7 +116,13 @@ class Upload:
                         self.finishing = True
                         _settle(outcome, FINISHED)
                         return
-                    request = await iterator.__anext__()
+                    try:
+                        request = await iterator.__anext__()
+                    except StopAsyncIteration:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - a broken transport, not bad data
+                        log.debug("Write stream for %s broke: %r", self.digest, e)
+                        raise StopAsyncIteration from None
             except StopAsyncIteration:
                 # Closed without finish_write, or broken (a vanished client looks the same here).
                 if self._stream is stream:

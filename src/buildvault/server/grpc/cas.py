@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from buildvault import logs
-from buildvault.actions import find_missing, is_empty, read_blob
+from buildvault.actions import find_missing, read_blob
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, verify_instance_name
 from buildvault.remote_apis import re_pb2
 from buildvault.server import errors
