@@ -8,7 +8,7 @@ repetition is `bazel clean` + a timed `bazel build //...` with the backends in r
 A warm build passes only if Bazel executed nothing (every cacheable spawn a hit) and the
 binary it fetched prints the expected line.
 
-    python bench/bazel_warm.py --libs 80 --reps 3     # buildvault vs --disk_cache (+ BuildGrid)
+    python bench/bazel_warm.py --libs 60 --reps 3     # buildvault vs --disk_cache (+ BuildGrid)
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def make_template(template: Path, dest: Path, libs: int, nonce: int) -> None:
 
 
 def run(
-    backends: dict[str, dict[str, Any]], workdir: Path, libs: int = 80, reps: int = 3, log=print
+    backends: dict[str, dict[str, Any]], workdir: Path, libs: int = 60, reps: int = 3, log=print
 ) -> dict[str, Any]:
     """backends: name -> {"remote_cache": "grpc://..."} or {"disk_cache": Path}. Returns the figures."""
     from bazel_harness import BazelWorkspace  # tests/e2e: real Bazel driver
@@ -135,7 +135,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--libs", type=int, default=80)
+    parser.add_argument("--libs", type=int, default=60)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--buildgrid", action="store_true", help="also time the build through BuildGrid")
     args = parser.parse_args(argv)

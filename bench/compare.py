@@ -264,7 +264,9 @@ def write_report(
         command,
         "```",
         "",
-        f"- date (UTC): {meta['date']}; wall time of the whole comparison: {meta['wall_min']:.1f} min",
+        f"- date (UTC): {meta['date']}; wall time of the whole comparison: {meta['wall_min']:.1f} min;",
+        f"  load average (1/5/15 min) at start {meta['load_start']}, at end {meta['load_end']}"
+        " (anything above ~1 is other work sharing the 2 cores)",
         f"- buildvault revision {meta['revision']}; BuildGrid {meta['buildgrid']} (PyPI), disk CAS,",
         "  LRU action cache stored in that CAS, no auth, no monitoring, thread-pool-size 64",
         f"- repetitions: {args.reps}{' (quick sizes)' if args.quick else ''}"
@@ -321,16 +323,24 @@ def write_report(
             f"(`bazel clean` then `bazel build //...`, {bazel['reps']} repetitions, backends rotated; outputs",
             "downloaded, the binary run and its output checked).",
             "",
-            "| backend | warm build median (min–max) s | vs --disk_cache | cold build s |",
+            "| backend | warm build median (min–max) s | time / --disk_cache time (min–max) | cold build s |",
             "| --- | ---: | ---: | ---: |",
         ]
+        disk_times = backends.get("disk_cache", {}).get("warm_s", [])
         for name, figures in backends.items():
             median, low, high = stats(figures["warm_s"])
-            relative = f"{median / disk:.2f}×" if median and disk else "—"
+            ratios = [t / d for t, d in zip(figures["warm_s"], disk_times) if d]
+            r_median, r_low, r_high = stats(ratios)
+            relative = f"**{r_median:.2f}×** ({r_low:.2f}–{r_high:.2f})" if r_median and disk else "—"
             lines.append(
                 f"| {name} | {fmt(median, 2)} ({fmt(low, 2)}–{fmt(high, 2)}) | {relative} | {fmt(figures['cold_s'], 1)} |"
             )
-        lines.append("")
+        lines += [
+            "",
+            "The ratio is taken within each repetition (same minute, rotated order), median over",
+            "repetitions; below 1 would mean faster than Bazel's local disk cache.",
+            "",
+        ]
     elif bazel_error:
         lines += [f"Not measured: {bazel_error}", ""]
     else:
@@ -357,9 +367,21 @@ def write_report(
 def bazel_version() -> str:
     try:
         probe = subprocess.run(["bazel", "--version"], capture_output=True, text=True, timeout=120)
-        return probe.stdout.strip().replace("bazel ", "")
+        version = probe.stdout.strip().replace("bazel ", "")
+        if version in ("", "no_version"):  # Debian's bazel-bootstrap says no_version
+            probe = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "bazel-bootstrap"],
+                                   capture_output=True, text=True, timeout=30)
+            version = probe.stdout.strip().split("+")[0] or version
+        return version
     except (OSError, subprocess.TimeoutExpired):
         return ""
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
 
 
 def run_bazel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -388,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", help="harness scenario filter, e.g. 'fmb_*,bs_*_512MiB*'")
     parser.add_argument("--quick", action="store_true", help="harness --quick sizes (a smoke test of this script)")
     parser.add_argument("--no-bazel", action="store_true", help="skip the warm Bazel build figure")
-    parser.add_argument("--bazel-libs", type=int, default=80, help="generated libraries in the Bazel build")
+    parser.add_argument("--bazel-libs", type=int, default=60, help="generated libraries in the Bazel build")
     parser.add_argument("--bazel-reps", type=int, default=5, help="timed warm builds per backend")
     parser.add_argument("--buildgrid-version", help="pin BuildGrid (default: newest for this Python)")
     parser.add_argument("--upgrade-buildgrid", action="store_true", help="reinstall/upgrade BuildGrid first")
@@ -402,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     meta: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "load_start": load_average(),
         "machine": machine_info(),
         "revision": git_revision(),
     }
@@ -434,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 bazel_error = f"{type(exc).__name__}: {str(exc)[:600]}"
                 log(f"bazel figure failed: {bazel_error}")
         meta["wall_min"] = (time.monotonic() - started_at) / 60
+        meta["load_end"] = load_average()
         out = Path(args.out)
         write_report(out, args, command, runs, bazel, bazel_error, meta)
         log(f"wrote {out}")

@@ -73,6 +73,21 @@ class LyingCas(re_grpc.ContentAddressableStorageServicer):
         )
 
 
+class ReorderingCas(LyingCas):
+    """Correct, but names the missing digests in reverse order: the harness must accept it."""
+
+    def __init__(self) -> None:
+        self.stored: set[tuple[str, int]] = set()
+
+    def FindMissingBlobs(self, request, context):  # noqa: N802
+        missing = [d for d in request.blob_digests if (d.hash, d.size_bytes) not in self.stored]
+        return re_pb2.FindMissingBlobsResponse(missing_blob_digests=missing[::-1])
+
+    def BatchUpdateBlobs(self, request, context):  # noqa: N802
+        self.stored.update((r.digest.hash, r.digest.size_bytes) for r in request.requests)
+        return super().BatchUpdateBlobs(request, context)
+
+
 class Capabilities(re_grpc.CapabilitiesServicer):
     def GetCapabilities(self, request, context):  # noqa: N802
         return re_pb2.ServerCapabilities(
@@ -95,3 +110,16 @@ def test_harness_fails_the_run_on_a_wrong_answer() -> None:
     assert set(rows) == {"fmb_c1", "ac_get_c1"}
     assert not rows["fmb_c1"]["ok"] and "FindMissingBlobs" in rows["fmb_c1"]["error"]
     assert not rows["ac_get_c1"]["ok"] and "UNIMPLEMENTED" in rows["ac_get_c1"]["error"]
+
+
+def test_harness_accepts_any_order_of_missing_digests() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    re_grpc.add_ContentAddressableStorageServicer_to_server(ReorderingCas(), server)
+    re_grpc.add_CapabilitiesServicer_to_server(Capabilities(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = run_harness("--target", f"127.0.0.1:{port}", "--quick", "--scenarios", "fmb_*", timeout=120)
+    finally:
+        server.stop(grace=None)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
