@@ -1,9 +1,10 @@
 """bench/harness.py --quick against the real server: the benchmark doubles as a protocol test.
 
-Starts `buildvault serve --grpc-address 127.0.0.1:0` (readiness: the banner's
-`buildvault ready: grpc=...` line), runs every quick scenario with byte-for-byte
-verification, and checks that every scenario reported a result and none failed. A second
-test proves the harness fails the run when a server answers wrongly.
+Starts `buildvault serve --grpc-address 127.0.0.1:0` with the integration tests'
+ServerProcess (readiness: the banner's `buildvault ready: grpc=...` line), runs every quick
+scenario with byte-for-byte verification, and checks that every scenario reported a result
+and none failed. Two more tests prove the harness fails the run when a server answers
+wrongly, and accepts a right answer in another order.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import grpc
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "tests" / "integration"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
-from bench import harness, servers  # noqa: E402
+from server_process import ServerProcess  # noqa: E402  (the integration tests' real-server runner)
+
+from bench import harness  # noqa: E402
 from buildvault.remote_apis import re_grpc, re_pb2  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -35,16 +39,19 @@ def run_harness(*args: str, timeout: float = 240) -> subprocess.CompletedProcess
 
 
 def test_quick_bench_against_buildvault(tmp_path: Path) -> None:
-    server = servers.start_buildvault(tmp_path / "data", tmp_path / "server.log")
+    server = ServerProcess(tmp_path / "data", http_address="").start()
     out = tmp_path / "results.json"
     try:
         proc = run_harness(
-            "--target", server.address, "--quick", "--server-pid", str(server.pid),
+            "--target", server.grpc_address, "--quick", "--server-pid", str(server.pid),
             "--label", "buildvault", "--json-out", str(out),
         )
     finally:
-        servers.stop(server)
-    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}\n{server.log_tail()}"
+        try:
+            server.stop()
+        finally:
+            server.kill()
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}\n{server.output()[-3000:]}"
 
     largest = harness.size_label(max(harness.QUICK.bs_sizes))
     expected = [s.name for s in harness.scenarios_for(harness.QUICK)] + [
