@@ -191,6 +191,8 @@ def cmake_build(
             code = proc.returncode
             break
     seconds = time.monotonic() - start
+    if launcher:
+        flush(run_env)  # background uploads and their event-log lines are done
     compiled = compiled_sources(toolchain.take(), checkout, build)
     return Build(checkout, build, code, "\n".join(output), compiled, seconds)
 
@@ -208,6 +210,11 @@ def read_events(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def flush(env: dict[str, str]) -> None:
+    """Wait until the agent's background uploads (and their event lines) are done."""
+    subprocess.run([launcher_command(), "--flush"], env=env, capture_output=True, timeout=180)
 
 
 def stop_agent(env: dict[str, str]) -> None:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launcher_harness import launcher_command, make_env, read_events
+from launcher_harness import flush, launcher_command, make_env, read_events
 
 
 class Tree:
@@ -33,7 +33,10 @@ class Tree:
                 "-c", str(self.root / "a.cc")]
         if launcher:
             argv = [launcher_command(), *argv]
-        return subprocess.run(argv, cwd=self.build, env=self.env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(argv, cwd=self.build, env=self.env, capture_output=True, text=True, timeout=120)
+        if launcher:
+            flush(self.env)
+        return result
 
     def obj(self, name: str = "a.o") -> bytes:
         return (self.build / name).read_bytes()
@@ -142,7 +145,8 @@ def test_unreachable_server_compiles_locally_with_one_warning(env_factory, tmp_p
     assert all((t.build / f"o{i}.o").exists() for i in range(3))
     assert sum(r.stderr.count("remote cache unavailable") for r in results) == 1
     assert real_compiles(toolchain) == 3
-    assert [e["status"] for e in read_events(events)] == ["BYPASS"] * 3
+    reasons = {e["reason"] for e in read_events(events)}
+    assert reasons <= {"remote-error", "remote-unavailable", "upload-failed"}, reasons
 
 
 def test_server_that_never_answers_costs_a_bounded_wait(env_factory, tmp_path, toolchain, require_gxx):

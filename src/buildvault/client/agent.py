@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
@@ -71,10 +72,17 @@ class Agent:
         self.hasher = FileHasher()
         self.compilers = CompilerIdentity()
         self.manifests: dict[Digest, list[dict]] = {}
+        self.key_memo: dict[tuple, ActionKey] = {}
+        self.sync_store = os.environ.get("BUILDVAULT_SYNC_UPLOAD", "") not in ("", "0")
+        self.store_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="store")
+        self.inflight = 0
+        self.storing: dict[Digest, threading.Event] = {}
+        self.pending_warning: str | None = None
         self.pending: dict[str, tuple] = {}
         self.down_until = 0.0
         self.warned = False
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
         self.last_activity = time.monotonic()
         self._cmake_cache: dict[str, tuple] = {}
 
@@ -125,6 +133,7 @@ class Agent:
             return {"op": "bypass", "reason": c.reason}
         if time.monotonic() < self.down_until:
             return {"op": "bypass", "reason": "remote-unavailable"}
+        t0 = time.perf_counter()
         try:
             p = self.prepare(c, cwd, env)
             self._check_time_macros(p, env, self.hasher.info(p.source_abs, p.roots))
@@ -137,7 +146,8 @@ class Agent:
             return {"op": "bypass", "reason": f"error: {e}"}
         self._ok()
         if DEBUG:
-            print(f"lookup {p.source_abs}: compiler={p.compiler_id[:12]} hit={hit is not None}", file=sys.stderr, flush=True)
+            print(f"lookup {p.source_abs}: compiler={p.compiler_id[:12]} hit={hit is not None} "
+                  f"{time.perf_counter() - t0:.3f}s", file=sys.stderr, flush=True)
         if hit is not None:
             return hit
         token = uuid.uuid4().hex
@@ -155,29 +165,83 @@ class Agent:
             entry = self.pending.pop(req["token"], None)
         if entry is None:
             return {"status": "MISS", "reason": "unknown-token"}
-        p, tmpdep, started, env = entry
+        p, tmpdep, _, env = entry
+        return self._finish(p, tmpdep, env, req)
+
+    def _finish(self, p: Prepared, tmpdep: str | None, env: dict, req: dict) -> dict:
         try:
             if req["exit"] != 0:
                 return {"status": "MISS", "reason": "compile-failed"}
             if not self.writer:
                 return {"status": "MISS", "reason": "read-only"}
+            # Read what the compile wrote now, before the launcher exits and the build moves on.
             try:
-                digest, n, exact = self.store(p, tmpdep, req["stdout"], req["stderr"],
-                                              float(req.get("seconds", 0.0)), env)
-            except Uncacheable as e:
-                return {"status": "MISS", "reason": f"uncacheable: {e}"}
-            except RemoteError as e:
-                return {"status": "MISS", "reason": "upload-failed", "warning": self._failed(e)}
+                depfile = tmpdep or next(path for path, kind in p.outputs if kind == "dep")
+                with open(depfile, encoding="utf-8", errors="surrogateescape") as f:
+                    dep_text = f.read()
+                outputs = []
+                for path, kind in p.outputs:
+                    with open(path, "rb") as f:
+                        outputs.append((path, kind, f.read()))
             except OSError as e:
                 return {"status": "MISS", "reason": f"not-stored: {e}"}
-            self._ok()
-            return {"status": "MISS", "reason": "stored-exact" if exact else "stored", "digest": str(digest), "outputs": n}
+            job = (p, dep_text, outputs, req, env)
+            if self.sync_store:
+                return self._store_job(job)
+            mkey = self.manifest_key(p).digest
+            with self.lock:
+                self.inflight += 1
+                self.storing[mkey] = self.storing.get(mkey) or threading.Event()
+            self.store_pool.submit(self._store_background, job, mkey)
+            return {"status": "MISS", "reason": "storing", "agent_logs": True, "warning": self._take_warning()}
         finally:
             if tmpdep:
-                try:
-                    os.unlink(tmpdep)
-                except OSError:
-                    pass
+                _unlink(tmpdep)
+
+    def _store_background(self, job, mkey: Digest) -> None:
+        try:
+            reply = self._store_job(job)
+            if reply.get("warning"):
+                with self.lock:
+                    self.pending_warning = reply["warning"]
+            _log_event(job[4], job[0], job[3], reply)
+        except Exception:
+            traceback.print_exc()
+        finally:
+            with self.lock:
+                self.inflight -= 1
+                event = self.storing.pop(mkey, None)
+                self.idle.notify_all()
+            if event is not None:
+                event.set()
+
+    def _take_warning(self) -> str | None:
+        with self.lock:
+            warning, self.pending_warning = self.pending_warning, None
+        return warning
+
+    def _store_job(self, job) -> dict:
+        p, dep_text, outputs, req, env = job
+        try:
+            t0 = time.perf_counter()
+            digest, n, exact = self.store(p, dep_text, outputs, req["stdout"], req["stderr"],
+                                          float(req.get("seconds", 0.0)), env, float(req.get("started", 0.0)))
+        except Uncacheable as e:
+            return {"status": "MISS", "reason": f"uncacheable: {e}"}
+        except RemoteError as e:
+            return {"status": "MISS", "reason": "upload-failed", "warning": self._failed(e)}
+        except OSError as e:
+            return {"status": "MISS", "reason": f"not-stored: {e}"}
+        self._ok()
+        if DEBUG:
+            print(f"store {p.source_abs}: {time.perf_counter() - t0:.3f}s", file=sys.stderr, flush=True)
+        return {"status": "MISS", "reason": "stored-exact" if exact else "stored", "digest": str(digest), "outputs": n}
+
+    def flush(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.inflight and time.monotonic() < deadline:
+                self.idle.wait(0.5)
 
     # -- lookup ----------------------------------------------------------------------------------
     def _check_time_macros(self, p: Prepared, env: dict, info) -> None:
@@ -192,33 +256,36 @@ class Agent:
 
     def lookup(self, p: Prepared, env: dict) -> dict | None:
         mkey = self.manifest_key(p)
+        storing = self.storing.get(mkey.digest)
+        if storing is not None:
+            storing.wait(60)
         tried: set[str] = set()
         entries = self.manifests.get(mkey.digest)
         if entries:
-            hit = self._try_entries(p, env, entries, tried)
+            hit = self._try_entries(p, env, entries, tried, mkey.digest)
             if hit:
                 return hit
-        result = self.remote.get_action_result(mkey.digest)
+        result = self.remote.get_action_result(mkey.digest, inline_files=["manifest.json"])
         if result is None or not result.output_files:
             return None
-        blob = self.remote.download([from_proto(result.output_files[0].digest)])
+        data = self._file_contents([result.output_files[0]])[0]
         try:
-            entries = json.loads(next(iter(blob.values())))["entries"]
+            entries = json.loads(data)["entries"]
         except (ValueError, KeyError, TypeError):
             return None
         self.manifests[mkey.digest] = entries
-        return self._try_entries(p, env, entries, tried)
+        return self._try_entries(p, env, entries, tried, mkey.digest)
 
-    def _try_entries(self, p: Prepared, env: dict, entries: list[dict], tried: set[str]) -> dict | None:
+    def _try_entries(self, p: Prepared, env: dict, entries: list[dict], tried: set[str], mkey_digest: Digest) -> dict | None:
         for entry in entries:
             fingerprint = json.dumps(entry["inputs"])
             if fingerprint in tried:
                 continue
             tried.add(fingerprint)
-            key = self._entry_key(p, env, entry)
+            key = self._entry_key(p, env, entry, mkey_digest, fingerprint)
             if key is None:
                 continue
-            result = self.remote.get_action_result(key.digest)
+            result = self.remote.get_action_result(key.digest, inline_files=key.output_rel)
             if result is None or result.exit_code != 0:
                 continue
             hit = self._materialize(p, key, result, entry["exact"])
@@ -226,7 +293,7 @@ class Agent:
                 return hit
         return None
 
-    def _entry_key(self, p: Prepared, env: dict, entry: dict) -> ActionKey | None:
+    def _entry_key(self, p: Prepared, env: dict, entry: dict, mkey_digest: Digest, fingerprint: str) -> ActionKey | None:
         roots = p.roots
         inputs: dict[str, tuple[Digest, bool]] = {}
         paths = []
@@ -252,7 +319,17 @@ class Agent:
             for path in paths:
                 info = self.hasher.info(path, EXACT)
                 inputs[EXACT.layout(path)] = (info.digest, info.executable)
-        return action_key(p, inputs, exact=entry["exact"])
+            return action_key(p, inputs, exact=True)
+        # Every listed file hashes as recorded, and the manifest key fixes the command: the
+        # Action is a function of (manifest key, entry), so memoize it.
+        memo_key = (mkey_digest, fingerprint, tuple(p.platform_spec))
+        key = self.key_memo.get(memo_key)
+        if key is None:
+            key = action_key(p, inputs, exact=False)
+            if len(self.key_memo) > 100_000:
+                self.key_memo.clear()
+            self.key_memo[memo_key] = key
+        return key
 
     def _materialize(self, p: Prepared, key: ActionKey, result: re_pb2.ActionResult, exact: bool) -> dict | None:
         roots = EXACT if exact else p.roots
@@ -260,21 +337,16 @@ class Agent:
         files = {f.path: f for f in result.output_files}
         if set(files) != set(wanted):
             return None
-        digests = [from_proto(f.digest) for f in files.values()]
-        stdout = result.stdout_raw
-        stderr = result.stderr_raw
-        if not stdout and result.stdout_digest.size_bytes:
-            digests.append(from_proto(result.stdout_digest))
-        if not stderr and result.stderr_digest.size_bytes:
-            digests.append(from_proto(result.stderr_digest))
-        blobs = self.remote.download(digests)
-        if not stdout and result.stdout_digest.size_bytes:
-            stdout = blobs[from_proto(result.stdout_digest)]
-        if not stderr and result.stderr_digest.size_bytes:
-            stderr = blobs[from_proto(result.stderr_digest)]
-        for rel, f in files.items():
+        streams = [
+            re_pb2.OutputFile(digest=result.stdout_digest, contents=result.stdout_raw),
+            re_pb2.OutputFile(digest=result.stderr_digest, contents=result.stderr_raw),
+        ]
+        names = list(files)
+        contents = self._file_contents([files[n] for n in names] + streams)
+        stdout, stderr = contents[-2], contents[-1]
+        for rel, data in zip(names, contents):
             path, kind = wanted[rel]
-            data = blobs[from_proto(f.digest)]
+            f = files[rel]
             if kind == "dep":
                 data = roots.denormalize_bytes(data)
             _write_atomic(path, data, f.is_executable)
@@ -294,21 +366,37 @@ class Agent:
             "compile_seconds": compile_seconds,
         }
 
+    def _file_contents(self, files: list) -> list[bytes]:
+        """Contents of OutputFile-like messages: inlined bytes (verified) or fetched from CAS."""
+        out: list[bytes | None] = []
+        fetch = []
+        for f in files:
+            digest = from_proto(f.digest) if f.digest.hash else None
+            if digest is None:
+                out.append(f.contents)  # e.g. stdout_raw without a digest
+            elif f.contents or digest.size_bytes == 0:
+                if Digest.of(f.contents) != digest:
+                    raise RemoteError(f"inlined blob {digest} failed verification")
+                out.append(f.contents)
+            else:
+                out.append(None)
+                fetch.append(digest)
+        if fetch:
+            blobs = self.remote.download(fetch)
+            out = [blobs[from_proto(f.digest)] if data is None else data for f, data in zip(files, out)]
+        return out  # type: ignore[return-value]
+
     # -- store -----------------------------------------------------------------------------------
-    def store(self, p: Prepared, tmpdep: str | None, stdout: bytes, stderr: bytes, seconds: float, env: dict):
+    def store(self, p: Prepared, dep_text: str, outputs_read: list, stdout: bytes, stderr: bytes, seconds: float,
+              env: dict, started: float = 0.0):
         c = p.compile
-        depfile = tmpdep or next(path for path, kind in p.outputs if kind == "dep")
-        with open(depfile, encoding="utf-8", errors="surrogateescape") as f:
-            deps = parse_depfile(f.read())
+        deps = parse_depfile(dep_text)
         paths = [p.source_abs]
         for dep in deps:
             path = os.path.normpath(os.path.join(p.cwd, dep))
             if path not in paths:
                 paths.append(path)
-        outputs = {}
-        for path, kind in p.outputs:
-            with open(path, "rb") as f:
-                outputs[path] = (kind, f.read())
+        outputs = {path: (kind, data) for path, kind, data in outputs_read}
         # Does anything the compile wrote depend on where the checkout is? Then key it byte-exact.
         exact = not p.roots or c.compressed_debug
         sensitive = [s.encode() for s in p.rewritten if len(s) > 1]
@@ -330,6 +418,8 @@ class Agent:
             except OSError:
                 raise Uncacheable(f"input vanished: {path}") from None
             self._check_time_macros(p, env, info)
+            if started and info.mtime > started:
+                raise Uncacheable(f"input modified during the compile: {path}")
             norm_infos[path] = info
             if exact:
                 info = self.hasher.info(path, EXACT)
@@ -385,11 +475,10 @@ class Agent:
             stderr_digest=to_proto(stderr_d),
             execution_metadata=meta,
         )
-        self.remote.update_action_result(key.digest, result)
-        self.remote.update_action_result(
-            mkey.digest,
-            re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="manifest.json", digest=to_proto(manifest_digest))]),
+        manifest_result = re_pb2.ActionResult(
+            output_files=[re_pb2.OutputFile(path="manifest.json", digest=to_proto(manifest_digest))]
         )
+        self.remote.update_action_results([(key.digest, result), (mkey.digest, manifest_result)])
         self.manifests[mkey.digest] = entries
         return key.digest, len(out_files), exact
 
@@ -415,6 +504,41 @@ class Agent:
                                 absent.append(layout)
                     break
         return absent
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _log_event(env: dict, p: Prepared, req: dict, reply: dict) -> None:
+    """The event line of a MISS whose upload finished in the background (see launcher._log)."""
+    path = env.get("BUILDVAULT_EVENT_LOG")
+    if not path:
+        return
+    event = {
+        "status": reply.get("status", "MISS"),
+        "reason": reply.get("reason", ""),
+        "action": reply.get("digest"),
+        "outputs": reply.get("outputs", 0),
+        "source": p.compile.source,
+        "cwd": p.cwd,
+        "compile_seconds": round(float(req.get("seconds", 0.0)), 4),
+        "seconds": round(float(req.get("elapsed", 0.0)), 4),
+        "exit": req.get("exit", 0),
+        "ts": round(time.time(), 3),
+    }
+    line = json.dumps(event, separators=(",", ":")) + "\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def _alive(socket_path: str) -> bool:
@@ -464,11 +588,17 @@ class _Handler(socketserver.BaseRequestHandler):
                 try:
                     if op == "compile":
                         reply = agent.handle_compile(req)
+                        if not reply.get("warning"):
+                            reply["warning"] = agent._take_warning()  # from a background upload
                     elif op == "done":
                         reply = agent.handle_done(req)
+                    elif op == "flush":
+                        agent.flush()
+                        reply = {"op": "flushed"}
                     elif op == "ping":
                         reply = {"op": "pong", "pid": os.getpid()}
                     elif op == "stop":
+                        agent.flush()
                         protocol.send(sock, {"op": "stopping"})
                         threading.Thread(target=self.server.shutdown, daemon=True).start()
                         return
@@ -504,6 +634,7 @@ def serve(socket_path: str, idle: float) -> int:
         except OSError:
             # Another agent owns this socket; if it is alive it answers, if it is exiting we take over.
             if _alive(socket_path) or time.monotonic() > deadline:
+                _unlink(socket_path + ".starting")
                 return 0
             time.sleep(0.05)
     try:
@@ -518,6 +649,7 @@ def serve(socket_path: str, idle: float) -> int:
     server.agent = agent  # type: ignore[attr-defined]
     os.chmod(tmp_sock, 0o600)
     os.rename(tmp_sock, socket_path)
+    _unlink(socket_path + ".starting")
 
     def watchdog() -> None:
         while True:

@@ -265,6 +265,8 @@ def _rule_colon(line: str) -> int:
 
 
 def _split_escaped(text: str) -> list[str]:
+    if "\\" not in text and "$" not in text:
+        return text.split()
     out: list[str] = []
     cur: list[str] = []
     i = 0

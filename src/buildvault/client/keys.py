@@ -48,6 +48,7 @@ class FileInfo:
     executable: bool
     time_macros: bool
     timestamp_macro: bool
+    mtime: float = 0.0  # seconds since the epoch
 
 
 class FileHasher:
@@ -74,6 +75,7 @@ class FileHasher:
             executable=bool(st.st_mode & 0o111),
             time_macros=any(m in data for m in _TIME_MACROS),
             timestamp_macro=b"__TIMESTAMP__" in data,
+            mtime=st.st_mtime,
         )
         if time.time() - st.st_mtime > RACY_SECONDS:
             with self._lock:

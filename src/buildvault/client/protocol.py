@@ -9,8 +9,12 @@ directory, so only the same user can talk to the agent.
     agent    -> {"op": "bypass", "reason", "warning"?}            run the line untouched
              |  {"op": "hit", "exit", "stdout", "stderr", ...}     outputs already written
              |  {"op": "run", "argv", "token"}                     run this argv, capture, report:
-    launcher -> {"op": "done", "token", "exit", "stdout", "stderr", "seconds"}
-    agent    -> {"status": "MISS", "reason", "digest"?, "outputs"?, "warning"?}
+    launcher -> {"op": "done", "token", "exit", "stdout", "stderr", "seconds", "started", "elapsed"}
+    agent    -> {"status": "MISS", "reason", "agent_logs"?, "warning"?}
+                (the agent reads the outputs now, uploads in the background, and then writes
+                the compile's event-log line itself: "agent_logs")
+    control: {"op": "ping"} -> {"op": "pong", "pid"}; {"op": "flush"} waits for uploads;
+             {"op": "stop"} flushes and exits.
 """
 
 from __future__ import annotations

@@ -68,9 +68,14 @@ class Remote:
         self.channel.close()
 
     # -- action cache ------------------------------------------------------------------------
-    def get_action_result(self, digest: Digest) -> re_pb2.ActionResult | None:
+    def get_action_result(self, digest: Digest, inline_files: Iterable[str] = ()) -> re_pb2.ActionResult | None:
+        """The cached result, asking the server to inline stdout, stderr and `inline_files`."""
         request = re_pb2.GetActionResultRequest(
-            instance_name=self.instance, action_digest=to_proto(digest), inline_stdout=True, inline_stderr=True
+            instance_name=self.instance,
+            action_digest=to_proto(digest),
+            inline_stdout=True,
+            inline_stderr=True,
+            inline_output_files=list(inline_files),
         )
         try:
             return self.ac.GetActionResult(request, timeout=self.timeout)
@@ -80,13 +85,22 @@ class Remote:
             raise RemoteError(f"GetActionResult: {e.code().name}: {e.details()}") from None
 
     def update_action_result(self, digest: Digest, result: re_pb2.ActionResult) -> None:
-        request = re_pb2.UpdateActionResultRequest(
-            instance_name=self.instance, action_digest=to_proto(digest), action_result=result
-        )
-        try:
-            self.ac.UpdateActionResult(request, timeout=self.upload_timeout)
-        except grpc.RpcError as e:
-            raise RemoteError(f"UpdateActionResult: {e.code().name}: {e.details()}") from None
+        self.update_action_results([(digest, result)])
+
+    def update_action_results(self, updates: list[tuple[Digest, re_pb2.ActionResult]]) -> None:
+        """Several UpdateActionResult calls in flight at once."""
+        futures = [
+            self.ac.UpdateActionResult.future(
+                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d), action_result=r),
+                timeout=self.upload_timeout,
+            )
+            for d, r in updates
+        ]
+        for future in futures:
+            try:
+                future.result()
+            except grpc.RpcError as e:
+                raise RemoteError(f"UpdateActionResult: {e.code().name}: {e.details()}") from None
 
     # -- CAS ---------------------------------------------------------------------------------
     def find_missing(self, digests: Iterable[Digest]) -> set[Digest]:

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Wall times of bazel_example/ (CMake + Ninja, -j2) with and without buildvault-cc, vs ccache.
+
+    .venv/bin/python bench/launcher_bench.py [--runs 3] [--jobs 2] [--json out.json]
+
+Measures (median of --runs interleaved rounds, each a fresh build directory; "total" =
+configure + build, "build" = the build step alone, "CPU" = CPU seconds of every process of
+the build incl. the buildvault agent; the server's CPU is reported apart: in a fleet it runs
+on another machine):
+  none            no launcher
+  ccache cold     ccache local mode, empty cache
+  ccache warm     ccache local mode, build dir deleted, cache full
+  buildvault cold buildvault-cc, empty server, fresh agent (includes starting the agent)
+  buildvault warm buildvault-cc, build dir deleted, every compile a remote hit
+  buildvault warm -IS   the same through `buildvault-cc --install-fast` (python -IS start-up)
+Targets (issue 6): buildvault warm <= 2x ccache warm; buildvault cold <= none + 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "bazel_example"
+LAUNCHER = str(Path(sys.executable).parent / "buildvault-cc")
+MODES = ("none", "ccache cold", "ccache warm", "buildvault cold", "buildvault warm", "buildvault warm -IS")
+
+
+def start_server(data: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "buildvault.cli", "serve", "--dir", str(data), "--grpc-address", "127.0.0.1:0",
+         "--http-address", "", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("BUILDVAULT_")},
+    )
+    for line in proc.stdout:
+        if line.startswith("buildvault ready:"):
+            address = line.split("grpc=")[1].split()[0]
+            return proc, address
+    raise RuntimeError("server did not start")
+
+
+def generator() -> list[str]:
+    return ["-G", "Ninja"] if shutil.which("ninja") else ["-G", "Unix Makefiles"]
+
+
+def build(checkout: Path, env: dict, launcher: str | None, jobs: int) -> tuple[float, float, float]:
+    """(total seconds, build-step seconds, CPU seconds of the build's processes) of a from-scratch
+    configure + build."""
+    build_dir = checkout / "build"
+    shutil.rmtree(build_dir, ignore_errors=True)
+    configure = ["cmake", "-S", str(checkout), "-B", str(build_dir), *generator(), "-DCMAKE_CXX_COMPILER=g++"]
+    if launcher:
+        configure.append(f"-DCMAKE_CXX_COMPILER_LAUNCHER={launcher}")
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
+    subprocess.run(configure, env=env, check=True, capture_output=True)
+    mid = time.monotonic()
+    subprocess.run(["cmake", "--build", str(build_dir), "--", f"-j{jobs}"], env=env, check=True, capture_output=True)
+    end = time.monotonic()
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    return end - start, end - mid, cpu
+
+
+def process_cpu(pid: int | None) -> float:
+    """utime + stime of a (non-child) process, seconds."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def agent_pid(env: dict) -> int | None:
+    out = subprocess.run([LAUNCHER, "--agent-status"], env=env, capture_output=True, text=True).stdout
+    try:
+        return int(out.split('"pid":')[1].split("}")[0].split(",")[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def median(samples: list[tuple]) -> dict:
+    return {
+        "total": round(statistics.median(s[0] for s in samples), 3),
+        "build": round(statistics.median(s[1] for s in samples), 3),
+        "cpu": round(statistics.median(s[2] for s in samples), 3),
+        "samples": [[round(x, 3) for x in sample] for sample in samples],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bvcc-bench-"))
+    checkout = work / "checkout"
+    shutil.copytree(EXAMPLE, checkout, ignore=shutil.ignore_patterns("build", "_build", "bazel-*"))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("BUILDVAULT_", "CCACHE_"))}
+    results: dict[str, dict] = {}
+    samples: dict[str, list] = {k: [] for k in MODES}
+    events = []
+    fast = subprocess.run([LAUNCHER, "--install-fast", str(work)], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    server = None
+    agent_env = None
+    try:
+        for i in range(args.runs):  # interleaved rounds: a busy machine drifts less between modes
+            samples["none"].append(build(checkout, base, None, args.jobs))
+            env = dict(base, CCACHE_DIR=str(work / f"ccache-{i}"))
+            samples["ccache cold"].append(build(checkout, env, "ccache", args.jobs))
+            samples["ccache warm"].append(build(checkout, env, "ccache", args.jobs))
+            server, address = start_server(work / f"server-{i}")
+            agent_env = dict(base, BUILDVAULT_REMOTE=f"grpc://{address}", BUILDVAULT_WRITER="1",
+                             BUILDVAULT_AGENT_DIR=tempfile.mkdtemp(prefix="bvcc-", dir="/tmp"),
+                             BUILDVAULT_PLATFORM="soc=ascend910b1,cann=8.0.RC3",
+                             BUILDVAULT_EVENT_LOG=str(work / f"events-{i}.jsonl"))
+            for mode, launcher in (("buildvault cold", LAUNCHER), ("buildvault warm", LAUNCHER),
+                                   ("buildvault warm -IS", fast)):
+                server_cpu = process_cpu(server.pid)
+                agent_cpu = process_cpu(agent_pid(agent_env))
+                total, step, cpu = build(checkout, agent_env, launcher, args.jobs)
+                pid = agent_pid(agent_env)
+                extra_agent = process_cpu(pid) - (agent_cpu if mode != "buildvault cold" else 0.0)
+                extra_server = process_cpu(server.pid) - server_cpu
+                samples[mode].append((total, step, cpu + extra_agent, extra_server))
+            summary = subprocess.run([LAUNCHER, "--summary", "--json", agent_env["BUILDVAULT_EVENT_LOG"]],
+                                     capture_output=True, text=True, check=True).stdout
+            events.append(json.loads(summary))
+            subprocess.run([LAUNCHER, "--stop-agent"], env=agent_env, capture_output=True)
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(30)
+            server = None
+    finally:
+        if agent_env:
+            subprocess.run([LAUNCHER, "--stop-agent"], env=agent_env, capture_output=True)
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+        shutil.rmtree(work, ignore_errors=True)
+    for mode in MODES:
+        results[mode] = median(samples[mode])
+        if mode.startswith("buildvault"):
+            results[mode]["server_cpu"] = round(statistics.median(s[3] for s in samples[mode]), 3)
+    results["events"] = events
+    ratios = {
+        "warm / ccache warm (total)": round(results["buildvault warm"]["total"] / results["ccache warm"]["total"], 2),
+        "warm / ccache warm (build step)": round(results["buildvault warm"]["build"] / results["ccache warm"]["build"], 2),
+        "warm -IS / ccache warm (total)": round(results["buildvault warm -IS"]["total"] / results["ccache warm"]["total"], 2),
+        "warm -IS / ccache warm (build step)": round(
+            results["buildvault warm -IS"]["build"] / results["ccache warm"]["build"], 2),
+        "cold / none (total)": round(results["buildvault cold"]["total"] / results["none"]["total"], 3),
+        "cold / none (build step)": round(results["buildvault cold"]["build"] / results["none"]["build"], 3),
+        "cold / none (CPU, client side)": round(results["buildvault cold"]["cpu"] / results["none"]["cpu"], 3),
+    }
+    results["ratios"] = ratios
+    for name in MODES:
+        r = results[name]
+        server_cpu = f"  (+ server CPU {r['server_cpu']:.2f} s)" if "server_cpu" in r else ""
+        print(f"{name:20s} total {r['total']:6.2f} s  build step {r['build']:6.2f} s  CPU {r['cpu']:6.2f} s{server_cpu}")
+    for name, value in ratios.items():
+        print(f"{name:34s} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
