@@ -8,6 +8,10 @@
   that need to reach inside (e.g. expire an abandoned upload quickly).
 - `shared_buildvault_server`: one server per test module.
 - `stubs`: a grpc.aio channel and the REAPI + ByteStream stubs for `shared_buildvault_server`.
+
+Import helpers (`make_stubs`, `CLIENT_OPTIONS`, digests, uploads) from `reapi_client` and the
+process wrapper from `server_process`: `from conftest import ...` breaks when another test
+directory's conftest is loaded in the same run.
 """
 
 from __future__ import annotations
@@ -23,14 +27,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from reapi_client import CLIENT_OPTIONS, Stubs, make_stubs  # noqa: E402,F401 - re-exported
 from server_process import ServerProcess  # noqa: E402
-
-from buildvault.remote_apis import bs_grpc, re_grpc  # noqa: E402
-
-CLIENT_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-]
 
 
 @pytest.fixture
@@ -65,25 +63,6 @@ def shared_buildvault_server(tmp_path_factory) -> ServerProcess:
         server.stop()
     finally:
         server.kill()
-
-
-@dataclass
-class Stubs:
-    channel: grpc.aio.Channel
-    cas: re_grpc.ContentAddressableStorageStub
-    ac: re_grpc.ActionCacheStub
-    capabilities: re_grpc.CapabilitiesStub
-    bytestream: bs_grpc.ByteStreamStub
-
-
-def make_stubs(channel: grpc.aio.Channel) -> Stubs:
-    return Stubs(
-        channel=channel,
-        cas=re_grpc.ContentAddressableStorageStub(channel),
-        ac=re_grpc.ActionCacheStub(channel),
-        capabilities=re_grpc.CapabilitiesStub(channel),
-        bytestream=bs_grpc.ByteStreamStub(channel),
-    )
 
 
 @pytest.fixture

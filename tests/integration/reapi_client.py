@@ -6,16 +6,41 @@ import hashlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 import blake3
 import grpc
 import zstandard
 from google.rpc import error_details_pb2, status_pb2
 
-from buildvault.remote_apis import bs_pb2, re_pb2
+from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
 
 SHA256 = re_pb2.DigestFunction.SHA256
 BLAKE3 = re_pb2.DigestFunction.BLAKE3
+
+CLIENT_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+@dataclass
+class Stubs:
+    channel: grpc.aio.Channel
+    cas: re_grpc.ContentAddressableStorageStub
+    ac: re_grpc.ActionCacheStub
+    capabilities: re_grpc.CapabilitiesStub
+    bytestream: bs_grpc.ByteStreamStub
+
+
+def make_stubs(channel: grpc.aio.Channel) -> Stubs:
+    return Stubs(
+        channel=channel,
+        cas=re_grpc.ContentAddressableStorageStub(channel),
+        ac=re_grpc.ActionCacheStub(channel),
+        capabilities=re_grpc.CapabilitiesStub(channel),
+        bytestream=bs_grpc.ByteStreamStub(channel),
+    )
 
 
 def digest(data: bytes, function: int = SHA256) -> re_pb2.Digest:

@@ -13,8 +13,7 @@ import time
 import grpc
 import pytest
 
-from conftest import CLIENT_OPTIONS, make_stubs
-from reapi_client import batch_update, blob, digest, iterate, key, missing, read, upload_name, write, write_requests
+from reapi_client import CLIENT_OPTIONS, batch_update, make_stubs, blob, digest, iterate, key, missing, read, upload_name, write, write_requests
 from server_process import ServerProcess
 from test_grpc_bytestream import query, start_and_break, wait_committed
 
