@@ -6,6 +6,7 @@ can fail open: compile locally and warn once.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterable
 
@@ -17,6 +18,9 @@ from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
 # Stay well under the 4 MiB default gRPC message limit of most servers.
 BATCH_LIMIT = 2 * 1024 * 1024
 CHUNK = 1024 * 1024
+# How long a blob the server had is assumed to still be there (input blobs only matter to
+# anyone executing the Action; outputs are always checked by the reader).
+PRESENT_TTL = 600.0
 
 
 class RemoteError(Exception):
@@ -63,6 +67,7 @@ class Remote:
         self.ac = re_grpc.ActionCacheStub(self.channel)
         self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
         self.bs = bs_grpc.ByteStreamStub(self.channel)
+        self.present: dict[Digest, float] = {}  # blob -> when the server last had it
 
     def close(self) -> None:
         self.channel.close()
@@ -104,7 +109,13 @@ class Remote:
 
     # -- CAS ---------------------------------------------------------------------------------
     def find_missing(self, digests: Iterable[Digest]) -> set[Digest]:
-        unique = list(dict.fromkeys(d for d in digests if d.size_bytes > 0))
+        """The blobs the server lacks. Blobs seen present (or uploaded) within PRESENT_TTL are
+        not asked about again: a build's compiles share most headers."""
+        now = time.monotonic()
+        unique = [
+            d for d in dict.fromkeys(d for d in digests if d.size_bytes > 0)
+            if now - self.present.get(d, -PRESENT_TTL) >= PRESENT_TTL
+        ]
         missing: set[Digest] = set()
         for start in range(0, len(unique), 5000):
             part = unique[start:start + 5000]
@@ -114,6 +125,11 @@ class Remote:
             except grpc.RpcError as e:
                 raise RemoteError(f"FindMissingBlobs: {e.code().name}: {e.details()}") from None
             missing.update(from_proto(d) for d in response.missing_blob_digests)
+        if len(self.present) > 1_000_000:
+            self.present.clear()
+        for d in unique:
+            if d not in missing:
+                self.present[d] = now
         return missing
 
     def upload(self, blobs: dict[Digest, bytes]) -> None:
@@ -133,6 +149,9 @@ class Remote:
             size += digest.size_bytes
         if batch:
             self._batch_update(batch)
+        now = time.monotonic()
+        for digest in blobs:
+            self.present[digest] = now
 
     def _batch_update(self, batch: list[tuple[Digest, bytes]]) -> None:
         request = re_pb2.BatchUpdateBlobsRequest(
