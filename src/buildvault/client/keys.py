@@ -129,7 +129,7 @@ class CompilerIdentity:
         with open(real, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
-        run_env = {k: v for k, v in env.items() if k in ("PATH", "HOME", "TMPDIR")}
+        run_env = {k: v for k, v in env.items() if k in ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH")}
         run_env["LC_ALL"] = "C"
         try:
             version = subprocess.run(

@@ -115,8 +115,21 @@ def _spawn_agent(path: str) -> None:
     os.waitpid(pid, 0)
 
 
+def _private(directory: str) -> bool:
+    """The agent directory must be ours and closed to others (the socket accepts compiles)."""
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return True  # created 0700 on spawn
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
 def connect_agent(spawn: bool = True):
     path = _socket_path()
+    if not _private(os.path.dirname(path)):
+        return None
     s = _connect(path)
     if s is not None or not spawn:
         return s
@@ -280,6 +293,12 @@ def compile_through_cache(argv: list[str], state: dict | None = None) -> int:
         _log(event)
         return code
 
+    if not _private(protocol.agent_dir()):
+        _warn(f"buildvault-cc: {protocol.agent_dir()} is not a private directory of this user; compiling locally "
+              "(set BUILDVAULT_AGENT_DIR)")
+        event["reason"] = "agent-dir-not-private"
+        state["ran"] = True
+        return finish(run(argv))
     sock = connect_agent(spawn=False)
     if sock is None:
         # Start the agent and wait for it: the cache may hold this compile (never compile what
