@@ -201,3 +201,20 @@ def test_summary_command(live, tmp_path, toolchain):
     out = subprocess.run([launcher_command(), "--summary", str(events)], capture_output=True, text=True, check=True)
     assert "hits:             1" in out.stdout and "misses:           1" in out.stdout
     assert "time saved:" in out.stdout
+
+
+def test_outputs_larger_than_a_batch_go_through_bytestream(server, env_factory, tmp_path, toolchain, require_gxx):
+    """Blobs over the batch limit (here 64 KiB) go up with ByteStream.Write, down with ByteStream.Read."""
+    env = env_factory(server, BUILDVAULT_BATCH_LIMIT=str(64 * 1024))
+    source = '#include "v.h"\nextern const unsigned char big[] = {' + ",".join(
+        str((i * 7919) % 251) for i in range(300_000)
+    ) + "};\nint f() { return V; }\n"
+    a = Tree(tmp_path / "a", toolchain, env, source)
+    assert a.compile("-O0").returncode == 0
+    assert (a.build / "a.o").stat().st_size > 4 * 64 * 1024
+    first = a.obj()
+    (a.build / "a.o").unlink()
+    toolchain.take()
+    assert a.compile("-O0").returncode == 0
+    assert real_compiles(toolchain) == 0
+    assert a.obj() == first

@@ -6,6 +6,7 @@ can fail open: compile locally and warn once.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterable
@@ -15,9 +16,9 @@ import grpc
 from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
 
-# Stay well under the 4 MiB default gRPC message limit of most servers.
-BATCH_LIMIT = 2 * 1024 * 1024
-CHUNK = 1024 * 1024
+# Stay well under the 4 MiB default gRPC message limit of most servers; larger blobs use ByteStream.
+BATCH_LIMIT = int(os.environ.get("BUILDVAULT_BATCH_LIMIT", 2 * 1024 * 1024))
+CHUNK = min(1024 * 1024, max(BATCH_LIMIT, 4096))
 # How long a blob the server had is assumed to still be there (input blobs only matter to
 # anyone executing the Action; outputs are always checked by the reader).
 PRESENT_TTL = 600.0
