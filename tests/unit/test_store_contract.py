@@ -1,0 +1,199 @@
+"""The BlobStore contract, run against every implementation: the memory store and the disk store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from buildvault.digest import Digest, DigestFunction
+from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound
+from buildvault.storage.disk import DiskBlobStore, DiskStorage
+from buildvault.storage.memory import MemoryBlobStore
+
+
+@pytest.fixture(params=["memory", "disk"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BlobStore]:
+    if request.param == "memory":
+        yield MemoryBlobStore()
+        return
+    storage = await DiskStorage.open(tmp_path / "store", 1 << 30)
+    try:
+        yield storage.cas
+    finally:
+        await storage.close()
+    # Whatever the test did, a disk store leaves no temp file behind.
+    assert os.listdir(tmp_path / "store" / "tmp") == []
+
+
+async def chunked(data: bytes, size: int = 16 * 1024) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+        await asyncio.sleep(0)
+
+
+async def read_all(store: BlobStore, digest: Digest, offset: int = 0, limit: int = 0) -> bytes:
+    parts = []
+    async for chunk in await store.read(digest, offset, limit):
+        assert 0 < len(chunk) <= CHUNK_SIZE
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def test_implements_the_protocols(store: BlobStore, tmp_path: Path) -> None:
+    assert isinstance(store, BlobStore)
+    if isinstance(store, DiskBlobStore):
+        assert isinstance(store.storage.ac, ActionStore)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 3 * CHUNK_SIZE + 5])
+async def test_round_trip(store: BlobStore, size: int) -> None:
+    data = os.urandom(size)
+    digest = Digest.of(data)
+    assert await store.find_missing([digest]) == [digest]
+    await store.write(digest, chunked(data))
+    assert await store.find_missing([digest]) == []
+    assert await read_all(store, digest) == data
+
+
+@pytest.mark.parametrize("function", list(DigestFunction))
+async def test_round_trip_each_function(store: BlobStore, function: DigestFunction) -> None:
+    data = os.urandom(5000)
+    digest = Digest.of(data, function)
+    await store.write(digest, chunked(data, 999))
+    assert await read_all(store, digest) == data
+
+
+async def test_offsets_and_limits(store: BlobStore) -> None:
+    data = os.urandom(2 * CHUNK_SIZE + 123)
+    digest = Digest.of(data)
+    await store.write(digest, chunked(data))
+    size = len(data)
+    ranges = [(0, 0), (0, 1), (1, 0), (5, 10), (CHUNK_SIZE - 1, 2), (CHUNK_SIZE, CHUNK_SIZE + 7)]
+    ranges += [(size - 1, 0), (size - 1, 100), (100, size * 2)]
+    for offset, limit in ranges:
+        expected = data[offset:] if limit == 0 else data[offset : offset + limit]
+        assert await read_all(store, digest, offset, limit) == expected, (offset, limit)
+    assert await read_all(store, digest, size, 0) == b""
+    for offset, limit in [(size + 1, 0), (-1, 0), (0, -1)]:
+        with pytest.raises(InvalidRange):
+            await store.read(digest, offset, limit)
+
+
+async def test_not_found_is_raised_before_iterating(store: BlobStore) -> None:
+    digest = Digest.of(b"never written")
+    with pytest.raises(NotFound):
+        await store.read(digest)  # the await itself raises: no iteration needed
+
+
+@pytest.mark.parametrize("actual", [b"short", b"much longer than declared"])
+async def test_size_mismatch_stores_nothing(store: BlobStore, actual: bytes) -> None:
+    declared = Digest.of(b"what was declared")
+    with pytest.raises(DigestMismatch):
+        await store.write(declared, chunked(actual, 3))
+    assert await store.find_missing([declared]) == [declared]
+    with pytest.raises(NotFound):
+        await store.read(declared)
+
+
+async def test_hash_mismatch_stores_nothing(store: BlobStore) -> None:
+    data = os.urandom(3 * CHUNK_SIZE)
+    good = Digest.of(data)
+    bad = Digest("0" * 64, len(data))
+    with pytest.raises(DigestMismatch):
+        await store.write(bad, chunked(data))
+    assert await store.find_missing([bad, good]) == [bad, good]
+
+
+async def test_wrong_digest_function_is_a_mismatch(store: BlobStore) -> None:
+    data = b"hashed with sha256, declared as blake3"
+    sha = Digest.of(data, DigestFunction.SHA256)
+    lie = Digest(sha.hash, sha.size_bytes, DigestFunction.BLAKE3)
+    with pytest.raises(DigestMismatch):
+        await store.write(lie, chunked(data))
+    await store.write(sha, chunked(data))
+    # The same hex under the other function is another blob, still missing.
+    assert await store.find_missing([lie, sha]) == [lie]
+    with pytest.raises(NotFound):
+        await store.read(lie)
+
+
+async def test_empty_blob(store: BlobStore) -> None:
+    for function in DigestFunction:
+        empty = Digest.of(b"", function)
+        await store.write(empty, chunked(b""))
+        assert await store.find_missing([empty]) == []
+        assert await read_all(store, empty) == b""
+
+
+async def test_find_missing_keeps_order_and_drops_duplicates(store: BlobStore) -> None:
+    blobs = [os.urandom(100 + i) for i in range(6)]
+    digests = [Digest.of(b) for b in blobs]
+    for i in (1, 3):
+        await store.write(digests[i], chunked(blobs[i]))
+    query = [digests[5], digests[0], digests[1], digests[5], digests[2], digests[0], digests[3], digests[4]]
+    assert await store.find_missing(query) == [digests[5], digests[0], digests[2], digests[4]]
+    assert await store.find_missing([]) == []
+
+
+async def test_rewriting_an_existing_blob_succeeds_and_keeps_it_intact(store: BlobStore) -> None:
+    data = os.urandom(CHUNK_SIZE + 10)
+    digest = Digest.of(data)
+    await store.write(digest, chunked(data))
+    await store.write(digest, chunked(data))
+    try:  # a lying second writer may be refused or ignored, never allowed to corrupt
+        await store.write(digest, chunked(os.urandom(len(data))))
+    except DigestMismatch:
+        pass
+    assert await read_all(store, digest) == data
+
+
+async def test_concurrent_writers_of_one_blob(store: BlobStore) -> None:
+    data = os.urandom(3 * CHUNK_SIZE + 17)
+    digest = Digest.of(data)
+    await asyncio.gather(*(store.write(digest, chunked(data, 64 * 1024)) for _ in range(4)))
+    assert await read_all(store, digest) == data
+    assert await store.find_missing([digest]) == []
+
+
+async def test_failing_chunk_iterator_leaves_nothing(store: BlobStore) -> None:
+    data = os.urandom(3 * CHUNK_SIZE)
+    digest = Digest.of(data)
+
+    async def failing() -> AsyncIterator[bytes]:
+        yield data[: 2 * CHUNK_SIZE]  # enough for a disk store to have started writing
+        await asyncio.sleep(0)
+        raise ConnectionResetError("client went away")
+
+    with pytest.raises(ConnectionResetError):
+        await store.write(digest, failing())
+    assert await store.find_missing([digest]) == [digest]
+    with pytest.raises(NotFound):
+        await store.read(digest)
+    await store.write(digest, chunked(data))  # and a retry works
+    assert await read_all(store, digest) == data
+
+
+async def test_cancelled_write_leaves_nothing(store: BlobStore) -> None:
+    data = os.urandom(3 * CHUNK_SIZE)
+    digest = Digest.of(data)
+    sent = asyncio.Event()
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield data[: 2 * CHUNK_SIZE]
+        yield data[2 * CHUNK_SIZE : 2 * CHUNK_SIZE + 10]
+        sent.set()
+        await asyncio.Event().wait()  # the client stalls forever
+        yield data[2 * CHUNK_SIZE + 10 :]
+
+    task = asyncio.create_task(store.write(digest, stalls()))
+    await asyncio.wait_for(sent.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await store.find_missing([digest]) == [digest]
+    with pytest.raises(NotFound):
+        await store.read(digest)
