@@ -10,7 +10,8 @@ on another machine):
   none            no launcher
   ccache cold     ccache local mode, empty cache
   ccache warm     ccache local mode, build dir deleted, cache full
-  buildvault cold buildvault-cc, empty server, fresh agent (includes starting the agent)
+  buildvault cold, agent start   buildvault-cc, empty server, no agent yet (starts it)
+  buildvault cold buildvault-cc, empty server, agent already running (it outlives builds)
   buildvault warm buildvault-cc, build dir deleted, every compile a remote hit
   buildvault warm -IS   the same through `buildvault-cc --install-fast` (python -IS start-up)
 Targets (issue 6): buildvault warm <= 2x ccache warm; buildvault cold <= none + 10%.
@@ -34,7 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "bazel_example"
 LAUNCHER = str(Path(sys.executable).parent / "buildvault-cc")
-MODES = ("none", "ccache cold", "ccache warm", "buildvault cold", "buildvault warm", "buildvault warm -IS")
+MODES = ("none", "ccache cold", "ccache warm", "buildvault cold, agent start", "buildvault cold", "buildvault warm",
+         "buildvault warm -IS")
 
 
 def start_server(data: Path) -> tuple[subprocess.Popen, str]:
@@ -93,6 +95,40 @@ def agent_pid(env: dict) -> int | None:
         return None
 
 
+def launcher_env(base: dict, address: str, work: Path, tag: str) -> dict:
+    return dict(base, BUILDVAULT_REMOTE=f"grpc://{address}", BUILDVAULT_WRITER="1",
+                BUILDVAULT_AGENT_DIR=tempfile.mkdtemp(prefix="bvcc-", dir="/tmp"),
+                BUILDVAULT_PLATFORM="soc=ascend910b1,cann=8.0.RC3",
+                BUILDVAULT_EVENT_LOG=str(work / f"events-{tag}.jsonl"))
+
+
+def prime(env: dict, work: Path) -> None:
+    """Start the agent with one unrelated tiny compile."""
+    d = work / "prime"
+    d.mkdir(exist_ok=True)
+    (d / "p.c").write_text("int prime_the_agent(void) { return 1; }\n")
+    subprocess.run([LAUNCHER, "gcc", "-c", "p.c", "-o", "p.o"], cwd=d, env=env, check=True, capture_output=True)
+    subprocess.run([LAUNCHER, "--flush"], env=env, check=True, capture_output=True)
+
+
+def measured(checkout: Path, env: dict, launcher: str, jobs: int, server) -> tuple:
+    """build() plus the CPU the agent spent meanwhile, and the server's CPU apart."""
+    server_cpu = process_cpu(server.pid)
+    before = agent_pid(env)
+    agent_cpu = process_cpu(before)
+    total, step, cpu = build(checkout, env, launcher, jobs)
+    subprocess.run([LAUNCHER, "--flush"], env=env, capture_output=True)
+    after = agent_pid(env)
+    agent_cpu = process_cpu(after) - (agent_cpu if after == before else 0.0)
+    return total, step, cpu + agent_cpu, process_cpu(server.pid) - server_cpu
+
+
+def stop(env: dict, server) -> None:
+    subprocess.run([LAUNCHER, "--stop-agent"], env=env, capture_output=True)
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(30)
+
+
 def median(samples: list[tuple]) -> dict:
     return {
         "total": round(statistics.median(s[0] for s in samples), 3),
@@ -125,31 +161,27 @@ def main() -> int:
             env = dict(base, CCACHE_DIR=str(work / f"ccache-{i}"))
             samples["ccache cold"].append(build(checkout, env, "ccache", args.jobs))
             samples["ccache warm"].append(build(checkout, env, "ccache", args.jobs))
+            # (a) fresh server, no agent running: the cold build also starts the agent
+            server, address = start_server(work / f"server-{i}-a")
+            agent_env = launcher_env(base, address, work, f"{i}-a")
+            samples["buildvault cold, agent start"].append(measured(checkout, agent_env, LAUNCHER, args.jobs, server))
+            stop(agent_env, server)
+            # (b) fresh server, agent already up (the usual case: it outlives builds)
             server, address = start_server(work / f"server-{i}")
-            agent_env = dict(base, BUILDVAULT_REMOTE=f"grpc://{address}", BUILDVAULT_WRITER="1",
-                             BUILDVAULT_AGENT_DIR=tempfile.mkdtemp(prefix="bvcc-", dir="/tmp"),
-                             BUILDVAULT_PLATFORM="soc=ascend910b1,cann=8.0.RC3",
-                             BUILDVAULT_EVENT_LOG=str(work / f"events-{i}.jsonl"))
+            agent_env = launcher_env(base, address, work, str(i))
+            prime(agent_env, work)
             for mode, launcher in (("buildvault cold", LAUNCHER), ("buildvault warm", LAUNCHER),
                                    ("buildvault warm -IS", fast)):
-                server_cpu = process_cpu(server.pid)
-                agent_cpu = process_cpu(agent_pid(agent_env))
-                total, step, cpu = build(checkout, agent_env, launcher, args.jobs)
-                pid = agent_pid(agent_env)
-                extra_agent = process_cpu(pid) - (agent_cpu if mode != "buildvault cold" else 0.0)
-                extra_server = process_cpu(server.pid) - server_cpu
-                samples[mode].append((total, step, cpu + extra_agent, extra_server))
+                samples[mode].append(measured(checkout, agent_env, launcher, args.jobs, server))
             summary = subprocess.run([LAUNCHER, "--summary", "--json", agent_env["BUILDVAULT_EVENT_LOG"]],
                                      capture_output=True, text=True, check=True).stdout
             events.append(json.loads(summary))
-            subprocess.run([LAUNCHER, "--stop-agent"], env=agent_env, capture_output=True)
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(30)
+            stop(agent_env, server)
             server = None
     finally:
         if agent_env:
             subprocess.run([LAUNCHER, "--stop-agent"], env=agent_env, capture_output=True)
-        if server is not None:
+        if server is not None and server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
         shutil.rmtree(work, ignore_errors=True)
     for mode in MODES:
@@ -166,12 +198,14 @@ def main() -> int:
         "cold / none (total)": round(results["buildvault cold"]["total"] / results["none"]["total"], 3),
         "cold / none (build step)": round(results["buildvault cold"]["build"] / results["none"]["build"], 3),
         "cold / none (CPU, client side)": round(results["buildvault cold"]["cpu"] / results["none"]["cpu"], 3),
+        "cold incl. agent start / none (total)": round(
+            results["buildvault cold, agent start"]["total"] / results["none"]["total"], 3),
     }
     results["ratios"] = ratios
     for name in MODES:
         r = results[name]
         server_cpu = f"  (+ server CPU {r['server_cpu']:.2f} s)" if "server_cpu" in r else ""
-        print(f"{name:20s} total {r['total']:6.2f} s  build step {r['build']:6.2f} s  CPU {r['cpu']:6.2f} s{server_cpu}")
+        print(f"{name:29s} total {r['total']:6.2f} s  build step {r['build']:6.2f} s  CPU {r['cpu']:6.2f} s{server_cpu}")
     for name, value in ratios.items():
         print(f"{name:34s} {value}")
     if args.json:

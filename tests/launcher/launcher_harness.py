@@ -67,6 +67,10 @@ exec {real} "$@"
 
 
 def generator() -> list[str]:
+    """Ninja when installed (BUILDVAULT_TEST_GENERATOR overrides), else Unix Makefiles."""
+    chosen = os.environ.get("BUILDVAULT_TEST_GENERATOR")
+    if chosen:
+        return ["-G", chosen]
     return ["-G", "Ninja"] if shutil.which("ninja") else ["-G", "Unix Makefiles"]
 
 
