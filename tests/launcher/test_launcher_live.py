@@ -97,7 +97,6 @@ def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(live, tmp_path
     assert via_cache == b.obj("fresh.o")
     # The same checkout again is a hit, byte-identical.
     (a.build / "a.o").unlink()
-    before = a.obj  # noqa: F841
     toolchain.take()
     assert a.compile(*flags).returncode == 0
     assert real_compiles(toolchain) == 0
