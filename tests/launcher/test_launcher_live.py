@@ -217,3 +217,22 @@ def test_outputs_larger_than_a_batch_go_through_bytestream(server, env_factory, 
     assert a.compile("-O0").returncode == 0
     assert real_compiles(toolchain) == 0
     assert a.obj() == first
+
+
+def test_has_include_probe_sees_a_new_file(live, tmp_path, toolchain):
+    """`__has_include` makes the *existence* of a file an input: creating it must not give a stale hit."""
+    env, events = live
+    source = ('#if __has_include("feature.h")\n#include "feature.h"\n#else\n#define FEATURE 0\n#endif\n'
+              '#include "v.h"\nint f() { return FEATURE + V; }\n')
+    a = Tree(tmp_path / "a", toolchain, env, source)
+    assert a.compile().returncode == 0
+    without = a.obj()
+    (a.build / "a.o").unlink()
+    toolchain.take()
+    assert a.compile().returncode == 0 and real_compiles(toolchain) == 0  # a hit, confirmed by a deps scan
+    (a.root / "inc" / "feature.h").write_text("#define FEATURE 41\n")
+    assert a.compile().returncode == 0
+    assert real_compiles(toolchain) == 1
+    assert a.obj() != without
+    assert a.compile(launcher=False, output="fresh.o").returncode == 0
+    assert a.obj() == a.obj("fresh.o")

@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import socketserver
+import subprocess
 import sys
 import threading
 import time
@@ -314,6 +315,10 @@ class Agent:
                     return None
             except KeyError:
                 return None
+        if entry.get("probe") and set(self._scan_deps(p, env)) != set(paths):
+            # A project file asks __has_include: which files exist decides what is read, so the
+            # include list is confirmed by the preprocessor (deps only) before trusting it.
+            return None
         if entry["exact"]:
             inputs = {}
             for path in paths:
@@ -448,6 +453,7 @@ class Agent:
                         norm_infos[path].executable] for path in paths],
             "absent": self._absent(p, paths),
             "exact": exact,
+            "probe": any(norm_infos[path].probe for path in paths if p.roots.locate(path) is not None),
         }
         old = self.manifests.get(mkey.digest) or []
         entries = [entry] + [e for e in old if e["inputs"] != entry["inputs"]][: MANIFEST_ENTRIES - 1]
@@ -481,6 +487,41 @@ class Agent:
         self.remote.update_action_results([(key.digest, result), (mkey.digest, manifest_result)])
         self.manifests[mkey.digest] = entries
         return key.digest, len(out_files), exact
+
+    def _scan_deps(self, p: Prepared, env: dict) -> list[str]:
+        """The files this compile reads, from a dependency-only preprocessor run (-M)."""
+        args: list[str] = []
+        skip = False
+        for arg in p.compile.argv[1:]:
+            if skip:
+                skip = False
+                continue
+            if arg in ("-c", "-MD", "-MP", "-MG"):
+                continue
+            if arg in ("-o", "-MF", "-MT", "-MQ"):
+                skip = True
+                continue
+            if arg.startswith(("-MF", "-MT", "-MQ")) or (arg.startswith("-o") and len(arg) > 2):
+                continue
+            args.append(arg)
+        tmp = os.path.join(self.tmpdir, f"scan-{uuid.uuid4().hex}.d")
+        try:
+            done = subprocess.run([p.compile.argv[0], *args, "-M", "-MF", tmp, "-o", os.devnull], cwd=p.cwd,
+                                  env=env, capture_output=True, timeout=300, stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                return []
+            with open(tmp, encoding="utf-8", errors="surrogateescape") as f:
+                deps = parse_depfile(f.read())
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        finally:
+            _unlink(tmp)
+        paths = [p.source_abs]
+        for dep in deps:
+            path = os.path.normpath(os.path.join(p.cwd, dep))
+            if path not in paths:
+                paths.append(path)
+        return paths
 
     @staticmethod
     def _absent(p: Prepared, paths: list[str]) -> list[str]:

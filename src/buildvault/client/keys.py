@@ -49,6 +49,7 @@ class FileInfo:
     time_macros: bool
     timestamp_macro: bool
     mtime: float = 0.0  # seconds since the epoch
+    probe: bool = False  # uses __has_include: what exists, not only what is read, matters
 
 
 class FileHasher:
@@ -76,6 +77,7 @@ class FileHasher:
             time_macros=any(m in data for m in _TIME_MACROS),
             timestamp_macro=b"__TIMESTAMP__" in data,
             mtime=st.st_mtime,
+            probe=b"__has_include" in data,
         )
         if time.time() - st.st_mtime > RACY_SECONDS:
             with self._lock:
