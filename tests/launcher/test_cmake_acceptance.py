@@ -61,6 +61,7 @@ def fleet(tmp_path_factory, require_cmake):
         yield Fleet(root, server, env, toolchain, checkout, cold, events)
     finally:
         env.stop()
+        shutil.rmtree(env["BUILDVAULT_AGENT_DIR"], ignore_errors=True)
         server.stop()
         server.kill()
 

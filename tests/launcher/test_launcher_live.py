@@ -3,6 +3,7 @@ outputs, diagnostics replay, read-only mode, bypasses, fail-open, the summary co
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import threading
@@ -185,10 +186,13 @@ def test_server_that_never_answers_costs_a_bounded_wait(env_factory, tmp_path, t
 def test_no_remote_configured_just_runs_the_compiler(tmp_path, toolchain, require_gxx):
     env = make_env(None, remote="unused")
     del env["BUILDVAULT_REMOTE"]
-    t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
-    assert t.compile().returncode == 0
-    assert real_compiles(toolchain) == 1
-    assert not any(Path(env["BUILDVAULT_AGENT_DIR"]).glob("*.sock"))
+    try:
+        t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
+        assert t.compile(launcher=True).returncode == 0
+        assert real_compiles(toolchain) == 1
+        assert not any(Path(env["BUILDVAULT_AGENT_DIR"]).glob("*.sock"))
+    finally:
+        shutil.rmtree(env["BUILDVAULT_AGENT_DIR"], ignore_errors=True)
 
 
 def test_summary_command(live, tmp_path, toolchain):

@@ -8,13 +8,20 @@ preprocessor run.
 
 Per compile (see protocol.py for the wire format):
   lookup:   manifest key (normalized argv + env + platform + source digest)
-            -> manifest (local, else remote): include lists seen by earlier real compiles
-            -> for an entry whose files still hash the same (and whose shadowing candidates are
-               still absent): the Action digest -> GetActionResult -> outputs from CAS, verified,
-               written atomically  => HIT
+            -> manifest (local, else remote, itself an AC entry): the include lists earlier real
+               compiles saw (from their -MD output), each with the digests of those files, the
+               files that must stay ABSENT (they would shadow a header found later on the
+               include path) and whether a project file uses __has_include (then a deps-only
+               preprocessor run confirms the list)
+            -> for an entry that still holds: the Action digest -> GetActionResult (outputs
+               inlined) -> verified -> written atomically  => HIT
   miss:     the launcher runs the real compiler (with -MD -MF tmp added when the user asked for
-            no dependency file) and reports back; a writer then uploads input blobs, the
-            Directory tree, Command, Action, outputs, UpdateActionResult, and the manifest.
+            no dependency file) and reports back; the agent reads the outputs at once, then (in
+            the background; --flush waits) a writer uploads the input blobs, Directory tree,
+            Command, Action, outputs and stdout/stderr, UpdateActionResult, and the manifest.
+            Outputs that contain a root path (debug info, __FILE__, ...) are keyed byte-exact
+            (real paths), so they never hit in another checkout; inputs modified during the
+            compile are not stored.
 Any remote failure makes the compile local (fail-open) with one warning per outage.
 """
 

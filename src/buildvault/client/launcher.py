@@ -8,7 +8,7 @@
     buildvault-cc --install-fast [DIR] write DIR/buildvault-cc-fast (default: beside this command)
                                        and print its path: the same launcher started with
                                        `python -IS` (no site, no `import re` from the pip
-                                       wrapper), about 2-3x less start-up per compile.
+                                       wrapper): ~10 ms less start-up per compile.
 
 All the work happens in a long-lived local agent (agent.py) reached over a unix socket and
 started on demand; this process only forwards the command line, runs the real compiler on a
