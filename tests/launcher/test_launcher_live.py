@@ -240,3 +240,15 @@ def test_has_include_probe_sees_a_new_file(live, tmp_path, toolchain):
     assert a.obj() != without
     assert a.compile(launcher=False, output="fresh.o").returncode == 0
     assert a.obj() == a.obj("fresh.o")
+
+
+def test_read_only_client_hits_what_a_writer_stored(server, env_factory, tmp_path, toolchain, require_gxx):
+    writer = env_factory(server)
+    events = tmp_path / "reader.jsonl"
+    reader = env_factory(server, writer=False, BUILDVAULT_EVENT_LOG=str(events))
+    assert Tree(tmp_path / "ci", toolchain, writer, SIMPLE).compile().returncode == 0
+    toolchain.take()
+    dev = Tree(tmp_path / "dev", toolchain, reader, SIMPLE)
+    assert dev.compile().returncode == 0
+    assert real_compiles(toolchain) == 0
+    assert [e["status"] for e in read_events(events)] == ["HIT"]
