@@ -55,9 +55,9 @@ def fleet(tmp_path_factory, require_cmake):
     events = root / "events.jsonl"
     env = make_env(server, BUILDVAULT_EVENT_LOG=str(events))
     toolchain = Toolchain(root / "toolchain")
-    checkout = copy_checkout(root / "checkout-a")
-    cold = cmake_build(toolchain, checkout, checkout / "build", env).check()
     try:
+        checkout = copy_checkout(root / "checkout-a")
+        cold = cmake_build(toolchain, checkout, checkout / "build", env).check()
         yield Fleet(root, server, env, toolchain, checkout, cold, events)
     finally:
         env.stop()
