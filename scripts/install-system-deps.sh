@@ -17,6 +17,7 @@ PACKAGES=(
   gcc
   make
   libc6-dev
+  ninja-build       # the CMake generator the launcher tests and bench use
 )
 
 missing=()
