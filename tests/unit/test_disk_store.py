@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.remote_apis import re_pb2
 from buildvault.storage import (
     CHUNK_SIZE,
     CapacityExceeded,
@@ -46,9 +47,11 @@ def files_under(path: Path) -> list[Path]:
 
 def crash(storage: DiskStorage) -> None:
     """Stop a store the way a killed process would: no snapshot, nothing flushed."""
-    if storage._checkpointer is not None:
-        storage._checkpointer.cancel()
+    for task in (storage._checkpointer, storage._syncer):
+        if task is not None:
+            task.cancel()
     storage._executor.shutdown(wait=True)
+    storage._sync_executor.shutdown(wait=True)
     assert storage._lock_fd is not None
     os.close(storage._lock_fd)
     storage._lock_fd = None
@@ -144,16 +147,98 @@ async def test_concurrent_writers_leave_one_file_and_no_temp(storage: DiskStorag
     assert storage.stats().blob_count == 1
 
 
-async def test_data_is_fsynced_before_the_rename(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_writes_are_not_fsynced_one_by_one(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Durability comes from sync points, not from an fsync per entry."""
     events: list[str] = []
-    fsync, replace = os.fsync, os.replace
+    fsync, syncfs = os.fsync, disk._syncfs
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), fsync(fd))[1])
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace " + Path(b).parent.parent.name), replace(a, b))[1])
+    monkeypatch.setattr(disk, "_syncfs", lambda fd: (events.append("syncfs"), syncfs(fd))[1])
     await storage.cas.write(Digest.of(b"durable"), chunked(b"durable"))
-    assert events == ["fsync", "replace sha256"]
-    events.clear()
-    await storage.ac.put("ac", Digest.of(b"durable"), b"result")  # AC: the directory is synced too
-    assert events[0] == "fsync" and events[-2:] == ["replace @sha256", "fsync"]  # (a first replace may meet a missing dir)
+    big = os.urandom(WRITE_BATCH + 1)
+    await storage.cas.write(Digest.of(big), chunked(big))
+    await storage.ac.put("ac", Digest.of(b"durable"), b"result")
+    assert events == []
+    before = time.time_ns()
+    await storage.sync()
+    assert events[0] == "syncfs"  # then the SYNC file itself is fsync'ed
+    assert storage._read_sync_marker() is not None
+    clean, point = storage._read_sync_marker()
+    assert not clean and before <= point <= time.time_ns()
+
+
+async def test_the_syncer_runs_only_after_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    syncfs = disk._syncfs
+    monkeypatch.setattr(disk, "_syncfs", lambda fd: (calls.append(fd), syncfs(fd))[1])
+    storage = await DiskStorage.open(tmp_path, 1 << 20, sync_interval=0.02)
+    calls.clear()  # open() makes one sync point
+    await asyncio.sleep(0.15)
+    assert calls == []
+    await fill_one(storage, b"changed")
+    for _ in range(100):
+        if calls:
+            break
+        await asyncio.sleep(0.01)
+    assert len(calls) == 1
+    await storage.close()
+    clean, _point = storage._read_sync_marker()
+    assert clean
+
+
+async def test_unclean_restart_deletes_entries_torn_since_the_sync_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power loss can leave files written after the last sync point torn or zero-filled:
+    after an unclean shutdown they are verified and the bad ones removed, never served."""
+    monkeypatch.setattr(disk, "SYNC_MARGIN_NS", 0)
+    storage = await DiskStorage.open(tmp_path, 1 << 20, sync_interval=None)
+    old = await fill_one(storage, b"synced before the crash")
+    await asyncio.sleep(0.05)  # file times come from a coarse clock
+    await storage.sync()
+    await asyncio.sleep(0.05)
+    torn, zeroed, fine = [await fill_one(storage, bytes([n]) * 5000) for n in (1, 2, 3)]
+    action = Digest.of(b"action")
+    await storage.ac.put("ac", action, re_pb2.ActionResult(exit_code=1).SerializeToString())
+    await storage.ac.put("raw", action, b"opaque ccache entry")
+    crash(storage)
+    with open(blob_path(tmp_path, torn), "r+b") as f:
+        f.truncate(100)
+        f.truncate(torn.size_bytes)  # same size, zeros past 100: only the hash can tell
+    blob_path(tmp_path, zeroed).write_bytes(bytes(zeroed.size_bytes))
+    ac_file = tmp_path / "ac" / "ac" / "@sha256" / action.hash[:2] / action.hash
+    ac_file.write_bytes(bytes(7))
+
+    storage = await DiskStorage.open(tmp_path, 1 << 20, sync_interval=None)
+    assert storage.load_info["clean_shutdown"] is False
+    assert storage.load_info["verified"] == 5  # the entries written after the sync point
+    assert storage.load_info["damaged"] == 3
+    assert await storage.cas.find_missing([old, torn, zeroed, fine]) == [torn, zeroed]
+    assert not blob_path(tmp_path, torn).exists() and not ac_file.exists()
+    with pytest.raises(NotFound):
+        await read_all(storage, torn)
+    with pytest.raises(NotFound):
+        await storage.ac.get("ac", action)
+    assert await storage.ac.get("raw", action) == b"opaque ccache entry"
+    assert await read_all(storage, fine) == bytes([3]) * 5000
+    assert_consistent(storage)
+    await storage.close()
+
+
+async def test_clean_restart_verifies_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk, "SYNC_MARGIN_NS", 0)
+    storage = await DiskStorage.open(tmp_path, 1 << 20)
+    digest = await fill_one(storage, b"x" * 3000)
+    await storage.close()
+    await asyncio.sleep(0.05)
+    storage = await DiskStorage.open(tmp_path, 1 << 20)
+    assert storage.load_info["clean_shutdown"] is True
+    assert storage.load_info["verified"] == 0
+    assert await storage.cas.find_missing([digest]) == []
+    crash(storage)
+    storage = await DiskStorage.open(tmp_path, 1 << 20)  # unclean, but nothing changed since open's sync point
+    assert storage.load_info["clean_shutdown"] is False
+    assert storage.load_info["verified"] == 0
+    await storage.close()
 
 
 async def test_existing_blob_is_not_read_again(storage: DiskStorage) -> None:
@@ -714,12 +799,12 @@ async def test_cancelling_around_a_slow_publish_keeps_everything_consistent(
 ) -> None:
     rename = disk._rename
 
-    def slow_rename(tmp: str, final: str, sync_dir: bool) -> None:
+    def slow_rename(tmp: str, final: str) -> None:
         time.sleep(0.2)
-        rename(tmp, final, sync_dir)
+        rename(tmp, final)
 
     monkeypatch.setattr(disk, "_rename", slow_rename)
-    data = os.urandom(50_000)
+    data = os.urandom(disk.SMALL_OP + 50_000)  # the streaming path: received into a temp file first
     digest = Digest.of(data)
     first = asyncio.create_task(storage.cas.write(digest, chunked(data)))
     while not storage._publishing:
@@ -738,5 +823,35 @@ async def test_cancelling_around_a_slow_publish_keeps_everything_consistent(
     assert await storage.cas.find_missing([digest]) == []  # the first one's publish completed
     assert await read_all(storage, digest) == data
     assert storage._reserved == 0 and storage.stats().used_bytes == len(data)
+    assert os.listdir(storage.root / "tmp") == []
+    assert_consistent(storage)
+
+
+async def test_cancelling_small_writes_in_a_coalesced_trip_keeps_everything_consistent(
+    storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_small = disk._write_small
+
+    def slow_write_small(*args: object) -> None:
+        time.sleep(0.1)
+        write_small(*args)
+
+    monkeypatch.setattr(disk, "_write_small", slow_write_small)
+    blobs = [os.urandom(1000 + n) for n in range(5)]
+    tasks = [asyncio.create_task(storage.cas.write(Digest.of(b), chunked(b))) for b in blobs]
+    while len(storage._publishing) < 5:  # all five in one trip
+        await asyncio.sleep(0.005)
+    again = asyncio.create_task(storage.cas.write(Digest.of(blobs[0]), chunked(blobs[0])))  # waits for the slot
+    await asyncio.sleep(0.01)
+    for task in (*tasks[:3], again):
+        task.cancel()
+    results = await asyncio.gather(*tasks, again, return_exceptions=True)
+    assert [isinstance(r, asyncio.CancelledError) for r in results] == [True, True, True, False, False, True]
+    while storage._publishing:
+        await asyncio.sleep(0.01)
+    assert await storage.cas.find_missing([Digest.of(b) for b in blobs]) == []  # cancelled too late: published
+    for data in blobs:
+        assert await read_all(storage, Digest.of(data)) == data
+    assert storage._reserved == 0 and storage.stats().used_bytes == sum(map(len, blobs))
     assert os.listdir(storage.root / "tmp") == []
     assert_consistent(storage)
