@@ -30,6 +30,9 @@ class DigestFunction(enum.Enum):
         self.label = label
         self.wire = wire
 
+    # Members are singletons: identity hashing is correct, and C-fast (Enum.__hash__ is Python).
+    __hash__ = object.__hash__
+
     @classmethod
     def from_wire(cls, value: int, default: DigestFunction | None = None) -> DigestFunction:
         """Map a request's digest_function field; 0 (UNKNOWN) means "the default" (SHA-256)."""
@@ -101,6 +104,11 @@ class Digest:
 
     def to_proto(self, message_type: type) -> object:
         return message_type(hash=self.hash, size_bytes=self.size_bytes)
+
+    def __hash__(self) -> int:
+        # The hex hash alone (str caches its hash): equal digests have equal hashes, and the
+        # dataclass default would build a tuple and call the enum's hash per digest.
+        return hash(self.hash)
 
     @property
     def key(self) -> str:
