@@ -25,7 +25,7 @@ from yarl import URL
 from conftest import CLIENT_OPTIONS, make_stubs
 from reapi_client import batch_update, digest, read, write
 from buildvault.remote_apis import bs_pb2, re_pb2
-from buildvault.server.http import HttpListener, SizeIndexedBlobStore, ccache_key_to_hash, create_app, parse_cache_path
+from buildvault.server.http import HttpListener, ccache_key_to_hash, create_app, parse_cache_path
 from buildvault.server.metrics import Metrics
 from buildvault.storage import StorageFull
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
@@ -161,7 +161,7 @@ async def test_storage_full_is_507():
                 pass
             raise StorageFull("no space left on device")
 
-    listener = HttpListener("127.0.0.1:0", create_app(SizeIndexedBlobStore(FullStore()), MemoryActionStore()))
+    listener = HttpListener("127.0.0.1:0", create_app(FullStore(), MemoryActionStore()))
     await listener.start()
     try:
         async with aiohttp.ClientSession(f"http://{listener.address}") as session:
@@ -334,7 +334,7 @@ async def test_incomplete_action_result_is_not_served_until_complete(http, stubs
 async def test_real_ac_entry_whose_blob_is_gone_is_a_miss():
     """A real entry whose blob disappeared (evicted) is a miss, never a hit a client cannot use."""
     blobs, actions = MemoryBlobStore(), MemoryActionStore()
-    listener = HttpListener("127.0.0.1:0", create_app(SizeIndexedBlobStore(blobs), actions))
+    listener = HttpListener("127.0.0.1:0", create_app(blobs, actions))
     await listener.start()
     try:
         async with aiohttp.ClientSession(f"http://{listener.address}") as session:
@@ -422,15 +422,20 @@ async def test_grpc_write_then_http_get(http, stubs):
 
 
 async def test_grpc_written_blob_readable_over_http_after_restart(fresh):
-    """After a restart the size index is empty; an ActionResult lookup teaches it the sizes."""
-    out = os.urandom(4096)
+    """GET /cas/{hash} finds the size in the store's own index, also for blobs stored before a restart."""
+    out, other = os.urandom(4096), os.urandom(3 << 20)
     await write(fresh.stubs, out)
+    await write(fresh.stubs, other)
     key = sha(b"restart action")
     await put(fresh.http, f"/ac/{key}", action_result(("r.o", out)).SerializeToString())
     fresh.server.restart()
     async with session_for(fresh.server) as session:
+        assert (await get(session, f"/cas/{sha(other)}"))[1] == other  # never seen since the restart
+        async with session.head(f"/cas/{sha(other)}") as response:
+            assert response.status == 200 and response.headers["Content-Length"] == str(len(other))
         assert (await get(session, f"/ac/{key}"))[0] == 200  # what Bazel does first
         assert (await get(session, f"/cas/{sha(out)}"))[1] == out
+        assert (await get(session, f"/cas/{sha(b'never stored')}"))[0] == 404
 
 
 # -- status and metrics -------------------------------------------------------------------------
@@ -562,7 +567,7 @@ async def test_two_servers_in_one_process_count_apart():
     async def start():
         metrics = Metrics(version="test")
         listener = HttpListener(
-            "127.0.0.1:0", create_app(SizeIndexedBlobStore(MemoryBlobStore()), MemoryActionStore(), metrics)
+            "127.0.0.1:0", create_app(MemoryBlobStore(), MemoryActionStore(), metrics)
         )
         await listener.start()
         return listener, metrics

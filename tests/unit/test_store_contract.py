@@ -197,3 +197,32 @@ async def test_cancelled_write_leaves_nothing(store: BlobStore) -> None:
     assert await store.find_missing([digest]) == [digest]
     with pytest.raises(NotFound):
         await store.read(digest)
+
+
+@pytest.mark.parametrize("function", list(DigestFunction))
+async def test_lookup_by_hash_alone(store: BlobStore, function: DigestFunction) -> None:
+    data = os.urandom(3000)
+    digest = Digest.of(data, function)
+    with pytest.raises(NotFound):
+        await store.lookup(function, digest.hash)
+    await store.write(digest, chunked(data))
+    assert await store.lookup(function, digest.hash) == digest
+    assert await store.lookup(function, digest.hash) == digest  # (the disk store's memo)
+    other = DigestFunction.BLAKE3 if function is DigestFunction.SHA256 else DigestFunction.SHA256
+    with pytest.raises(NotFound):
+        await store.lookup(other, digest.hash)
+    with pytest.raises(NotFound):
+        await store.lookup(function, "not hex")
+
+
+async def test_disk_lookup_finds_blobs_stored_before_a_restart(tmp_path: Path) -> None:
+    storage = await DiskStorage.open(tmp_path, 1 << 30)
+    data = os.urandom(CHUNK_SIZE + 7)
+    digest = Digest.of(data)
+    await storage.cas.write(digest, chunked(data))
+    await storage.close()
+    storage = await DiskStorage.open(tmp_path, 1 << 30)
+    try:
+        assert await storage.cas.lookup(DigestFunction.SHA256, digest.hash) == digest
+    finally:
+        await storage.close()

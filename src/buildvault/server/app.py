@@ -28,7 +28,7 @@ from buildvault.server.grpc.action_cache import ActionCacheService
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, ByteStreamService, Uploads
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
-from buildvault.server.http import HttpListener, SizeIndexedBlobStore
+from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
 from buildvault.storage import ActionStore, BlobStore, StorageError
 
@@ -162,8 +162,6 @@ class App:
     async def start(self) -> None:
         try:
             blobs, actions = await self._open_stores()
-            # HTTP names CAS blobs by hash alone: learn sizes from every front end's traffic.
-            blobs = SizeIndexedBlobStore(blobs)
             self.services = Services(
                 blobs=blobs,
                 actions=actions,

@@ -31,7 +31,6 @@ import base64
 import contextlib
 import html
 import inspect
-import itertools
 import json
 import logging
 import re
@@ -57,7 +56,6 @@ log = logging.getLogger("buildvault.http")
 __all__ = [
     "CachePath",
     "HttpListener",
-    "SizeIndexedBlobStore",
     "ccache_key_to_hash",
     "create_app",
     "parse_cache_path",
@@ -211,87 +209,6 @@ def _version() -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Sizes by hash
-# --------------------------------------------------------------------------------------------
-
-# The HTTP protocol names a CAS blob by its hash alone, but stores key blobs by (hash, size).
-# The size of a blob is learned whenever any front end sees it: written, found present by
-# FindMissingBlobs or an ActionResult completeness check, or read. Bazel only GETs blobs that an
-# ActionResult it just fetched references, and that fetch's completeness check has just
-# learned their sizes, so HTTP clients keep working after a restart too.
-DEFAULT_SIZE_INDEX_ENTRIES = 1 << 20  # ~100 bytes each
-
-
-class SizeIndex:
-    """hash -> size of recently seen CAS blobs, bounded, most recently seen kept."""
-
-    def __init__(self, max_entries: int = DEFAULT_SIZE_INDEX_ENTRIES) -> None:
-        self.max_entries = max(1, max_entries)
-        self._sizes: dict[tuple[DigestFunction, int], int] = {}
-
-    @staticmethod
-    def _key(function: DigestFunction, hash: str) -> tuple[DigestFunction, int] | None:
-        try:
-            return function, int(hash[:16], 16)  # 64 bits: a collision only costs a miss
-        except ValueError:
-            return None
-
-    def record(self, digest: Digest) -> None:
-        key = self._key(digest.function, digest.hash)
-        if key is None:
-            return
-        sizes = self._sizes
-        sizes.pop(key, None)
-        sizes[key] = digest.size_bytes
-        if len(sizes) > self.max_entries:
-            for old in list(itertools.islice(iter(sizes), max(1, self.max_entries // 64))):
-                del sizes[old]
-
-    def get(self, function: DigestFunction, hash: str) -> int | None:
-        key = self._key(function, hash)
-        return None if key is None else self._sizes.get(key)
-
-    def __len__(self) -> int:
-        return len(self._sizes)
-
-
-class SizeIndexedBlobStore:
-    """A BlobStore decorator that learns blob sizes for hash-only lookups (`size_of`).
-
-    Wrap the store every front end uses (App does), so that a blob written over gRPC can be
-    read over HTTP by its hash. Other attributes (e.g. `stats`) pass through.
-    """
-
-    def __init__(self, inner: BlobStore, max_entries: int = DEFAULT_SIZE_INDEX_ENTRIES) -> None:
-        self.inner = inner
-        self.sizes = SizeIndex(max_entries)
-
-    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-        missing = await self.inner.find_missing(digests)
-        absent = set(missing)
-        for digest in digests:
-            if digest not in absent:
-                self.sizes.record(digest)
-        return missing
-
-    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
-        chunks = await self.inner.read(digest, offset, limit)
-        self.sizes.record(digest)
-        return chunks
-
-    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
-        await self.inner.write(digest, chunks)
-        self.sizes.record(digest)
-
-    def size_of(self, function: DigestFunction, hash: str) -> int | None:
-        """The size last seen for a blob with this hash, or None if never seen (since start)."""
-        return self.sizes.get(function, hash)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-# --------------------------------------------------------------------------------------------
 # The handlers
 # --------------------------------------------------------------------------------------------
 
@@ -352,20 +269,14 @@ class HttpCache:
             return _error(http_status(e), str(e))
 
     # -- CAS -------------------------------------------------------------------------------------
-    def _size_of(self, hash: str) -> int | None:
-        if hash == _EMPTY_SHA256:
-            return 0
-        size_of = getattr(self.cas, "size_of", None)
-        return size_of(DigestFunction.SHA256, hash) if size_of is not None else None
-
     async def _get_cas(self, request: web.Request, path: CachePath) -> web.StreamResponse:
-        size = self._size_of(path.hash)
-        if size is None:
-            raise NotFound(f"blob {path.hash} not found")
-        digest = Digest(path.hash, size)
+        # HTTP names a blob by its hash alone: the store finds its size in its own index.
+        if path.hash == _EMPTY_SHA256:
+            digest = Digest(path.hash, 0)
+        else:
+            digest = await self.cas.lookup(DigestFunction.SHA256, path.hash)  # NotFound: 404
+        size = digest.size_bytes
         if request.method == "HEAD":
-            if size and await self.cas.find_missing([digest]):
-                raise NotFound(f"blob {path.hash} not found")
             return web.Response(
                 status=200, headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}
             )
@@ -792,8 +703,7 @@ def create_app(
 ) -> web.Application:
     """The aiohttp application: cache endpoints, /status, /status.html, / and /metrics.
 
-    `cas` should offer `size_of(function, hash)` (wrap it in SizeIndexedBlobStore) or GET
-    /cas/ finds only the empty blob.
+    GET /cas/{hash} finds blobs through `cas.lookup` (hash only, from the store's own index).
     """
     metrics = metrics or Metrics(version=version or _version())
     cache = HttpCache(

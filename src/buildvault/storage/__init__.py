@@ -11,6 +11,8 @@ Contracts every implementation keeps:
   a failed, cancelled or mismatching write leaves nothing visible.
 - `read` is an `async def` that raises `NotFound` eagerly (before any byte is produced) and
   returns an async iterator of bounded chunks; memory does not grow with blob size.
+- `lookup` finds a blob by its hash alone (the bazel-remote HTTP protocol's GET /cas/{hash}),
+  from the store's own index: a blob stored before a restart, or by another front end, is found.
 - Errors are the classes below; adapters map them to protocol status codes in one place.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
-from buildvault.digest import Digest, InvalidDigest
+from buildvault.digest import Digest, DigestFunction, InvalidDigest
 
 __all__ = [
     "ActionStore",
@@ -81,6 +83,10 @@ class BlobStore(Protocol):
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
         """Store the blob whose bytes `chunks` yields; raise DigestMismatch if they do not match."""
+        ...
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        """The stored blob with this hash (its size from the store's own index), or raise NotFound."""
         ...
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
-from buildvault.digest import Digest, new_hasher
+from buildvault.digest import Digest, DigestFunction, new_hasher
 from buildvault.storage import CHUNK_SIZE, CapacityExceeded, DigestMismatch, InvalidRange, NotFound
 
 
@@ -68,6 +68,12 @@ class MemoryBlobStore:
         if self._max_size is not None and digest.size_bytes > self._max_size:
             raise CapacityExceeded(f"blob {digest} is larger than the store's {self._max_size} bytes")
         self._blobs[digest.key] = await collect_verified(digest, chunks)
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        data = self._blobs.get(f"{function.label}/{hash}")
+        if data is None:
+            raise NotFound(f"blob {function.label}:{hash} not found")
+        return Digest(hash, len(data), function)
 
 
 class MemoryActionStore:

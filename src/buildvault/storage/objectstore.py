@@ -38,7 +38,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from buildvault.digest import Digest, new_hasher
+from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
 from buildvault.storage import (
     CHUNK_SIZE,
     DigestMismatch,
@@ -272,6 +272,18 @@ class ObjectStore:
             self._corrupt(f"blob {digest}: object has {size} bytes")
             return False
         return True
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        """HEAD the blob's key (keys carry no size): the object's size is the blob's."""
+        try:
+            probe = Digest.parse(hash, 0, function)
+        except InvalidDigest:
+            raise NotFound(f"blob {function.label}:{str(hash)[:64]} not found") from None
+        head = await self._call("HEAD", f"blob {function.label}:{hash}", "head_object", Key=self.cas_key(probe))
+        size = head.get("ContentLength")
+        if not isinstance(size, int) or size < 0:
+            raise NotFound(f"blob {function.label}:{hash}: the object store did not say its size")
+        return Digest(hash, size, function)
 
     async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
         unique = list(dict.fromkeys(digests))

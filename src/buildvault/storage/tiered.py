@@ -46,7 +46,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, S
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from buildvault.digest import Digest
+from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import (
     ActionStore,
     BlobStore,
@@ -296,6 +296,29 @@ class TieredBlobStore:
                 future = self._heads_in_flight.pop(digest, None)
                 if future is not None and not future.done():
                     future.set_result(None)
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        """By hash alone: the fast tier's index, then the bucket (a HEAD gives the size).
+        The bucket down or slow is a miss (fail open), like find_missing."""
+        try:
+            return await self.fast.lookup(function, hash)
+        except NotFound:
+            pass
+        slow_lookup = getattr(self.slow, "lookup", None)
+        if slow_lookup is None or not self.health.healthy:
+            raise NotFound(f"blob {function.label}:{hash} not found")
+        try:
+            digest = await self._slow_call(slow_lookup(function, hash))
+        except NotFound:
+            raise
+        except Exception as exc:
+            if _is_slow_failure(exc):
+                self.health.failure(exc)
+                raise NotFound(f"blob {function.label}:{hash}: not in the local tier, object store unavailable") from exc
+            raise
+        self.health.ok()
+        self.presence.set(digest, True)
+        return digest
 
     async def _slow_exists(self, digest: Digest) -> bool:
         exists = getattr(self.slow, "exists", None)
