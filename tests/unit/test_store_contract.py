@@ -226,3 +226,28 @@ async def test_disk_lookup_finds_blobs_stored_before_a_restart(tmp_path: Path) -
         assert await storage.cas.lookup(DigestFunction.SHA256, digest.hash) == digest
     finally:
         await storage.close()
+
+
+async def test_batches_of_whole_blobs(store: BlobStore) -> None:
+    """storage.read_blobs / write_blobs: the store's own batch methods where it has them (disk)."""
+    from buildvault.storage import read_blobs, write_blobs
+
+    small, other, big = os.urandom(4000), os.urandom(10), os.urandom(CHUNK_SIZE + 3)
+    stored = os.urandom(77)
+    await store.write(Digest.of(stored), chunked(stored))
+    items = [
+        (Digest.of(small), small),
+        (Digest.of(small), other + small[10:]),  # the same blob again, wrong bytes: refused
+        (Digest.of(other), small[:10]),  # wrong bytes
+        (Digest.of(big), big),  # large: the one-by-one way
+        (Digest.of(stored), stored),  # already stored
+        (Digest.of(b"short"), b"shor"),  # size mismatch
+    ]
+    outcomes = await write_blobs(store, items)
+    assert [type(o).__name__ if o else None for o in outcomes] == [
+        None, "DigestMismatch", "DigestMismatch", None, None, "DigestMismatch"
+    ]
+    results = await read_blobs(store, [Digest.of(small), Digest.of(other), Digest.of(big), Digest.of(stored)])
+    assert results[0] == small and isinstance(results[1], NotFound)
+    assert results[2] == big and results[3] == stored
+    assert await store.find_missing([d for d, _ in items]) == [Digest.of(other), Digest.of(b"short")]

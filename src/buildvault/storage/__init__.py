@@ -14,10 +14,15 @@ Contracts every implementation keeps:
 - `lookup` finds a blob by its hash alone (the bazel-remote HTTP protocol's GET /cas/{hash}),
   from the store's own index: a blob stored before a restart, or by another front end, is found.
 - Errors are the classes below; adapters map them to protocol status codes in one place.
+
+Batches: `read_blobs(store, digests)` and `write_blobs(store, items)` below use a store's own
+`read_blobs` / `write_blobs` when it has them (the disk store does the small ones in one trip to
+its worker threads), and otherwise call `read` / `write` per blob, concurrently.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -35,6 +40,8 @@ __all__ = [
     "StorageFull",
     "Unavailable",
     "ac_namespace",
+    "read_blobs",
+    "write_blobs",
     "CHUNK_SIZE",
 ]
 
@@ -105,3 +112,39 @@ def ac_namespace(instance_name: str, kind: str = "ac") -> str:
     """Namespace of action entries: the kind ("ac" for ActionResults, "raw" for opaque HTTP
     entries such as ccache's) and the instance name, kept apart so neither leaks into the other."""
     return f"{kind}/{instance_name}" if instance_name else kind
+
+
+async def read_blobs(store: BlobStore, digests: Sequence[Digest]) -> list[bytes | Exception]:
+    """Whole (small) blobs: for each digest its bytes, or the error reading it raised."""
+    many = getattr(store, "read_blobs", None)
+    if many is not None:
+        return await many(digests)
+
+    async def one(digest: Digest) -> bytes | Exception:
+        try:
+            chunks = await store.read(digest)
+            parts = [chunk async for chunk in chunks]
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        except Exception as e:  # noqa: BLE001 - that blob's outcome
+            return e
+
+    return list(await asyncio.gather(*(one(d) for d in digests)))
+
+
+async def write_blobs(store: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+    """Store whole (small) blobs: for each None, or the error writing it raised."""
+    many = getattr(store, "write_blobs", None)
+    if many is not None:
+        return await many(items)
+
+    async def one(digest: Digest, data: bytes) -> Exception | None:
+        async def single() -> AsyncIterator[bytes]:
+            yield data
+
+        try:
+            await store.write(digest, single())
+            return None
+        except Exception as e:  # noqa: BLE001 - that blob's outcome
+            return e
+
+    return list(await asyncio.gather(*(one(d, data) for d, data in items)))

@@ -187,6 +187,29 @@ def _read_small(path: str, size: int, offset: int, end: int) -> tuple[int, bytes
         os.close(fd)
 
 
+def _read_many(items: list[tuple[str, int]]) -> list[tuple[int, bytes | OSError]]:
+    """Whole small files in one trip: (status, bytes) each, or (-1, the OSError)."""
+    results: list[tuple[int, bytes | OSError]] = []
+    for path, size in items:
+        try:
+            results.append(_read_small(path, size, 0, size))
+        except OSError as e:
+            results.append((-1, e))
+    return results
+
+
+def _write_many(items: list[tuple[str, str, bytes, Digest | None]]) -> list[Exception | None]:
+    """_write_small for each item, in one trip: None or the exception, each."""
+    results: list[Exception | None] = []
+    for item in items:
+        try:
+            _write_small(*item)
+            results.append(None)
+        except Exception as e:  # noqa: BLE001 - that item's outcome
+            results.append(e)
+    return results
+
+
 def _run_ops(ops: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]]) -> list[tuple[bool, Any]]:
     """A coalesced trip: run each operation, keeping its result or its exception."""
     results: list[tuple[bool, Any]] = []
@@ -348,6 +371,10 @@ def _sizes_named(directory: str, hex_hash: str) -> list[int]:
             except ValueError:
                 pass
     return sizes
+
+
+async def _single(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 def _read_file(path: str) -> bytes | None:
@@ -1515,6 +1542,124 @@ class DiskStorage:
             return _WholeChunks(data)
         return _FileChunks(self._executor, fd, data, offset + len(data), end, str(digest))
 
+    async def _read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        """Whole blobs (BatchReadBlobs): every small one in one coalesced operation, the rest one by one."""
+        self._check_open()
+        results: list[bytes | Exception | None] = [None] * len(digests)
+        index = self._index
+        batch: list[tuple[str, int]] = []
+        where: list[tuple[int, bytes, Digest]] = []
+        singles: list[int] = []
+        for i, digest in enumerate(digests):
+            try:
+                key = _cas_key(digest)
+            except InvalidDigest:
+                key = b""
+            if key not in index:
+                results[i] = NotFound(f"blob {digest} not found")
+            elif digest.size_bytes > SMALL_OP:
+                singles.append(i)
+            else:
+                self._touch(key)
+                batch.append((self._path(key), digest.size_bytes))
+                where.append((i, key, digest))
+        if batch:
+            found = await self._ops.submit(_read_many, (batch,), 0)
+            for (i, key, digest), (status, data) in zip(where, found):
+                if status == _OK:
+                    results[i] = data
+                    continue
+                if status == -1:
+                    results[i] = _storage_error(data, f"reading {digest}")  # type: ignore[arg-type]
+                    continue
+                if status == _DAMAGED and key in self._index and key not in self._publishing:
+                    log.error("%s does not have the size its name says; deleting it", self._path(key))
+                    self._forget(key)
+                    self._delete_file(key)
+                elif status == _MISSING:
+                    self._drop_missing(key)
+                results[i] = NotFound(f"blob {digests[i]} not found")
+        for i in singles:
+            try:
+                results[i] = b"".join([chunk async for chunk in await self._read(digests[i], 0, 0)])
+            except StorageError as e:
+                results[i] = e
+        return results  # type: ignore[return-value]
+
+    async def _write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """Whole blobs (BatchUpdateBlobs). The common case (small, new, room without evicting,
+        no other write of the same blob in flight) is reserved and claimed here and written in one
+        coalesced operation; any other goes the one-by-one way. Like _store_small, a submitted
+        write completes and is indexed even if the caller is cancelled."""
+        self._check_open()
+        outcomes: list[Exception | None] = [None] * len(items)
+        index = self._index
+        batch: list[tuple[str, str, bytes, Digest | None]] = []
+        claimed: list[tuple[int, bytes, _Reservation, asyncio.Future[None]]] = []
+        others: list[int] = []
+        contended: set[int] = set()
+        loop = asyncio.get_running_loop()
+        for i, (digest, data) in enumerate(items):
+            size = digest.size_bytes
+            try:
+                key = _cas_key(digest)
+            except InvalidDigest as e:
+                outcomes[i] = e
+                continue
+            if key in index:
+                self._touch(key)  # stored and verified already: the bytes need not be read
+                continue
+            if key in self._publishing or key in self._deleting:
+                contended.add(i)  # e.g. the same blob twice in one batch: these bytes get checked too
+                others.append(i)
+                continue
+            if len(data) != size or size > SMALL_OP or self._used + self._reserved + size > self.max_size:
+                others.append(i)
+                continue
+            reservation = _Reservation(self, size)
+            done: asyncio.Future[None] = loop.create_future()
+            self._publishing[key] = done
+            batch.append((self._tmp_dir, self._path(key), bytes(data), digest))
+            claimed.append((i, key, reservation, done))
+        if batch:
+            future = self._ops.submit(_write_many, (batch,), sum(len(item[2]) for item in batch))
+
+            def finished(future: asyncio.Future[list[Exception | None]]) -> None:
+                results = None if future.cancelled() else (future.exception() or future.result())
+                for n, (i, key, reservation, done) in enumerate(claimed):
+                    error = results if isinstance(results, BaseException) else None if results is None else results[n]
+                    try:
+                        if results is not None and error is None:
+                            self._indexed(key, reservation)
+                        else:
+                            outcomes[i] = error if isinstance(error, Exception) else StorageError("write abandoned")
+                    finally:
+                        reservation.release()
+                        del self._publishing[key]
+                        done.set_result(None)
+
+            future.add_done_callback(finished)
+            await asyncio.shield(future)
+            for i, *_rest in claimed:
+                error = outcomes[i]
+                if isinstance(error, OSError):
+                    outcomes[i] = _storage_error(error, f"writing {items[i][0]}")
+        if others:
+
+            async def one(i: int) -> Exception | None:
+                digest, data = items[i]
+                try:
+                    if i in contended and len(data) == digest.size_bytes <= SMALL_OP:
+                        await self._ops.submit(_check_hash, (bytes(data), digest))
+                    await self._write(digest, _single(data))
+                    return None
+                except Exception as e:  # noqa: BLE001 - that blob's outcome
+                    return e
+
+            for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others))):
+                outcomes[i] = outcome
+        return outcomes
+
     async def _lookup(self, function: DigestFunction, hex_hash: str) -> Digest:
         """A stored blob by hash alone: the size from a small memo, else from the names in the
         blob's shard directory (one listing, in the pool), confirmed by the index."""
@@ -1596,6 +1741,14 @@ class DiskBlobStore:
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         return await self.storage._lookup(function, hash)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        """Whole blobs, each its bytes or its error (NotFound...): small ones in one pool trip."""
+        return await self.storage._read_blobs(digests)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """Store whole blobs, each verified: None or the error, each. Small ones in one pool trip."""
+        return await self.storage._write_blobs(items)
 
     def stats(self) -> DiskStats:
         return self.storage.stats()

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from buildvault import logs
-from buildvault.actions import find_missing, read_blob
+from buildvault.actions import find_missing, is_empty, read_blob
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, verify_instance_name
 from buildvault.remote_apis import re_pb2
 from buildvault.server import errors
@@ -25,7 +25,7 @@ from buildvault.server.grpc import (
     zstd_compress,
     zstd_decompress,
 )
-from buildvault.storage import BlobStore, NotFound
+from buildvault.storage import BlobStore, NotFound, read_blobs, write_blobs
 
 IDENTITY = re_pb2.Compressor.IDENTITY
 ZSTD = re_pb2.Compressor.ZSTD
@@ -74,10 +74,6 @@ def parse_digests(messages: Sequence[re_pb2.Digest], function: DigestFunction) -
     return [Digest.parse(h, s, function) for h, s in zip(hashes, sizes)]
 
 
-async def _single(data: bytes) -> AsyncIterator[bytes]:
-    yield data
-
-
 class CasService:
     """build.bazel.remote.execution.v2.ContentAddressableStorage."""
 
@@ -112,35 +108,43 @@ class CasService:
                 f"BatchUpdateBlobs carries {total} bytes, over the advertised max_batch_total_size_bytes "
                 f"{self.max_batch_total_size}: split the batch or use ByteStream.Write"
             )
-        outcomes = await asyncio.gather(*(self._update_one(entry, function) for entry in request.requests))
-        logs.note(blobs=len(request.requests), bytes=total, failed=sum(1 for o in outcomes if o is not None))
+        entries = request.requests
+        outcomes: list[Exception | None] = [None] * len(entries)
+        items: list[tuple[Digest, bytes]] = []
+        where: list[int] = []
+        for i, entry in enumerate(entries):
+            try:
+                items.append((Digest.from_proto(entry.digest, function), await self._uncompressed(entry)))
+                where.append(i)
+            except Exception as exc:  # noqa: BLE001 - per-blob status
+                outcomes[i] = exc
+        for i, outcome in zip(where, await write_blobs(self.blobs, items)):  # one store call for the batch
+            outcomes[i] = outcome
+        failed = 0
         response = re_pb2.BatchUpdateBlobsResponse()
-        for entry, outcome in zip(request.requests, outcomes):
-            item = response.responses.add()
-            item.digest.CopyFrom(entry.digest)
-            item.status.CopyFrom(errors.rpc_status(outcome))
+        add = response.responses.add
+        for entry, outcome in zip(entries, outcomes):
+            if outcome is None:
+                add(digest=entry.digest)  # an unset status is OK (code 0)
+            else:
+                failed += 1
+                if errors.is_internal(outcome):
+                    errors.log.error("BatchUpdateBlobs: internal error on one blob", exc_info=outcome)
+                add(digest=entry.digest, status=errors.rpc_status(outcome))
+        logs.note(blobs=len(entries), bytes=total, failed=failed)
         return response
 
-    async def _update_one(
-        self, entry: re_pb2.BatchUpdateBlobsRequest.Request, function: DigestFunction
-    ) -> Exception | None:
-        try:
-            digest = Digest.from_proto(entry.digest, function)
-            data = entry.data
-            if entry.compressor == ZSTD:
-                if digest.size_bytes > MAX_BATCH_BLOB_UNCOMPRESSED:
-                    raise errors.InvalidArgument(
-                        f"blob {digest} is too large for a compressed batch entry; use ByteStream.Write"
-                    )
-                data = await offload(zstd_decompress, data, digest.size_bytes)
-            elif entry.compressor != IDENTITY:
-                raise errors.InvalidArgument(f"unsupported compressor {entry.compressor}; this server supports zstd")
-            await self.blobs.write(digest, _single(data))
-            return None
-        except Exception as exc:  # noqa: BLE001 - per-blob status
-            if errors.is_internal(exc):
-                errors.log.error("BatchUpdateBlobs: internal error on one blob", exc_info=exc)
-            return exc
+    async def _uncompressed(self, entry: re_pb2.BatchUpdateBlobsRequest.Request) -> bytes:
+        if entry.compressor == IDENTITY:
+            return entry.data
+        if entry.compressor == ZSTD:
+            if entry.digest.size_bytes > MAX_BATCH_BLOB_UNCOMPRESSED:
+                raise errors.InvalidArgument(
+                    f"blob {entry.digest.hash}/{entry.digest.size_bytes} is too large for a compressed batch entry; "
+                    "use ByteStream.Write"
+                )
+            return await offload(zstd_decompress, entry.data, entry.digest.size_bytes)
+        raise errors.InvalidArgument(f"unsupported compressor {entry.compressor}; this server supports zstd")
 
     @rpc("BatchReadBlobs")
     async def BatchReadBlobs(
@@ -155,31 +159,34 @@ class CasService:
                 f"{self.max_batch_total_size}: split the batch or use ByteStream.Read"
             )
         compress = ZSTD in request.acceptable_compressors
-        outcomes = await asyncio.gather(*(self._read_one(m, function, compress) for m in request.digests))
-        logs.note(blobs=len(request.digests), bytes=total)
+        messages = request.digests
+        outcomes: list[bytes | Exception] = [b""] * len(messages)
+        wanted: list[Digest] = []
+        where: list[int] = []
+        for i, message in enumerate(messages):
+            try:
+                digest = Digest.from_proto(message, function)
+            except Exception as exc:  # noqa: BLE001 - per-blob status
+                outcomes[i] = exc
+                continue
+            if not is_empty(digest):  # the empty blob is always present, stored or not
+                wanted.append(digest)
+                where.append(i)
+        for i, outcome in zip(where, await read_blobs(self.blobs, wanted)):  # one store call for the batch
+            outcomes[i] = outcome
+        logs.note(blobs=len(messages), bytes=total)
         response = re_pb2.BatchReadBlobsResponse()
-        for message, (data, compressor, outcome) in zip(request.digests, outcomes):
-            item = response.responses.add()
-            item.digest.CopyFrom(message)
-            item.status.CopyFrom(errors.rpc_status(outcome))
-            if outcome is None:
-                item.data = data
-                item.compressor = compressor
+        add = response.responses.add
+        for message, outcome in zip(messages, outcomes):
+            if isinstance(outcome, Exception):
+                if errors.is_internal(outcome):
+                    errors.log.error("BatchReadBlobs: internal error on one blob", exc_info=outcome)
+                add(digest=message, status=errors.rpc_status(outcome))
+            elif compress:
+                add(digest=message, data=await offload(zstd_compress, outcome), compressor=ZSTD)
+            else:
+                add(digest=message, data=outcome)  # an unset status is OK (code 0)
         return response
-
-    async def _read_one(
-        self, message: re_pb2.Digest, function: DigestFunction, compress: bool
-    ) -> tuple[bytes, int, Exception | None]:
-        try:
-            digest = Digest.from_proto(message, function)
-            data = await read_blob(self.blobs, digest)
-            if compress:
-                return await offload(zstd_compress, data), ZSTD, None
-            return data, IDENTITY, None
-        except Exception as exc:  # noqa: BLE001 - per-blob status
-            if errors.is_internal(exc):
-                errors.log.error("BatchReadBlobs: internal error on one blob", exc_info=exc)
-            return b"", IDENTITY, exc
 
     @rpc("GetTree")
     async def GetTree(self, request: re_pb2.GetTreeRequest, context: grpc.aio.ServicerContext) -> None:
