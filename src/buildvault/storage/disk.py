@@ -504,14 +504,23 @@ class _TempFile:
         self.hasher = hasher
 
     def write(self, parts: list[bytes]) -> None:
+        data = self.digest_part(parts)
+        self.append(data)
+
+    def digest_part(self, parts: list[bytes]) -> bytes:
+        """Join and hash the next part (never touches the file: may run beside `append`)."""
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.hasher is not None and data:
+            self.hasher.update(data)
+        return data
+
+    def append(self, data: bytes) -> None:
+        """Write the next part (never touches the hasher: may run beside `digest_part`)."""
         if self.fd is None:
             path = os.path.join(self.directory, secrets.token_hex(12) + ".tmp")
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             self.path = path
-        if parts:
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
-            if self.hasher is not None:
-                self.hasher.update(data)
+        if data:
             _write_all(self.fd, data)
 
     def finish(self, parts: list[bytes], sync: bool = False) -> str | None:
@@ -524,10 +533,11 @@ class _TempFile:
         self.fd = None
         return self.hasher.hexdigest() if self.hasher is not None else None
 
-    def abort(self, pending: concurrent.futures.Future[Any] | None) -> None:
-        """Remove the temp file; first wait for a write still running on the fd, so it is never reused."""
-        if pending is not None:
-            concurrent.futures.wait([pending])
+    def abort(self, *pending: concurrent.futures.Future[Any] | None) -> None:
+        """Remove the temp file; first wait for work still running on it, so the fd is never reused."""
+        running = [cf for cf in pending if cf is not None]
+        if running:
+            concurrent.futures.wait(running)
         if self.fd is not None:
             try:
                 os.close(self.fd)
@@ -1277,6 +1287,10 @@ class DiskStorage:
         gone before this returns.
         """
         temp = _TempFile(self._tmp_dir, new_hasher(digest.function) if digest is not None else None)
+        # A pipeline of two workers: batch N is hashed while batch N-1 is written (each about
+        # as costly as the other), while the event loop receives batch N+1.
+        hashed: concurrent.futures.Future[Any] | None = None  # -> the joined bytes of the batch
+        written: concurrent.futures.Future[Any] | None = None
         pending: concurrent.futures.Future[Any] | None = None
         try:
             if isinstance(chunks, bytes):
@@ -1293,14 +1307,24 @@ class DiskStorage:
                     parts.append(chunk)
                     buffered += n
                     if buffered >= WRITE_BATCH:
-                        if pending is not None:
-                            await self._wait_io(pending, what)
-                        pending = self._executor.submit(temp.write, parts)
+                        if hashed is not None:
+                            data = await self._wait_io(hashed, what)
+                            if written is not None:
+                                await self._wait_io(written, what)
+                            written = self._executor.submit(temp.append, data)
+                        hashed = self._executor.submit(temp.digest_part, parts)
                         parts, buffered = [], 0
                 if total != size:
                     raise DigestMismatch(f"blob {what}: got {total} bytes, declared {size}")
-                if pending is not None:
-                    await self._wait_io(pending, what)
+                if hashed is not None:
+                    data = await self._wait_io(hashed, what)
+                    hashed = None
+                    if written is not None:
+                        await self._wait_io(written, what)
+                    written = self._executor.submit(temp.append, data)
+                if written is not None:
+                    await self._wait_io(written, what)
+                    written = None
             pending = self._executor.submit(temp.finish, parts)
             actual = await self._wait_io(pending, what)
             pending = None
@@ -1309,7 +1333,7 @@ class DiskStorage:
             assert temp.path is not None
             return temp.path
         except BaseException:
-            await self._settle(self._executor.submit(temp.abort, pending))
+            await self._settle(self._executor.submit(temp.abort, pending, hashed, written))
             raise
 
     async def _wait_io(self, cf: concurrent.futures.Future[Any], what: object) -> Any:
