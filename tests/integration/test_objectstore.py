@@ -1,17 +1,13 @@
-"""ObjectStore against a real S3-compatible HTTP server (moto's ThreadedMotoServer on loopback)."""
+"""ObjectStore against a real S3-compatible HTTP server (moto's ThreadedMotoServer on loopback, see s3_server)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import socket
-import uuid
 
-import boto3
-import botocore.config
 import pytest
-from moto.server import ThreadedMotoServer
+
+from s3_server import aws_env, bucket, free_port, raw_client, s3_endpoint, session  # noqa: F401 - fixtures
 
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
@@ -19,63 +15,6 @@ from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatc
 from buildvault.storage.objectstore import S3_MIN_PART_SIZE, CorruptObject, ObjectStore
 
 MiB = 1 << 20
-
-_AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-SESSION: list[boto3.session.Session] = []
-
-
-def session() -> boto3.session.Session:
-    """One boto3 session for the module: a new session reloads the S3 model (~0.3 s)."""
-    if not SESSION:
-        SESSION.append(boto3.session.Session())
-    return SESSION[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in _AWS_ENV.items():
-            mp.setenv(key, value)
-        for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_REQUEST_CHECKSUM_CALCULATION"):
-            mp.delenv(key, raising=False)
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request otherwise
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        try:
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
-
-
-def raw_client(endpoint: str):
-    config = botocore.config.Config(
-        request_checksum_calculation="when_required", response_checksum_validation="when_required"
-    )
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=config)
-
-
-@pytest.fixture
-def bucket(s3_endpoint):
-    name = f"bv-{uuid.uuid4().hex[:12]}"
-    raw_client(s3_endpoint).create_bucket(Bucket=name)
-    return name
 
 
 def settings_for(endpoint: str, bucket: str, tmp_path, **overrides) -> Settings:
@@ -307,7 +246,7 @@ async def test_read_only_store_refuses_writes(s3_endpoint, bucket, tmp_path):
 
 async def test_unreachable_endpoint_is_unavailable(tmp_path):
     store = ObjectStore.from_settings(
-        settings_for(f"http://127.0.0.1:{_free_port()}", "b", tmp_path), max_attempts=1, connect_timeout=1, session=session()
+        settings_for(f"http://127.0.0.1:{free_port()}", "b", tmp_path), max_attempts=1, connect_timeout=1, session=session()
     )
     try:
         with pytest.raises(Unavailable):

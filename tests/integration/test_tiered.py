@@ -17,10 +17,9 @@ import time
 import uuid
 from pathlib import Path
 
-import boto3
-import botocore.config
 import pytest
-from moto.server import ThreadedMotoServer
+
+from s3_server import aws_env, bucket, bucket_keys, free_port, raw_client, s3_endpoint, session  # noqa: F401 - fixtures
 
 from buildvault.config import Settings
 from buildvault.digest import Digest
@@ -32,76 +31,13 @@ from buildvault.storage.tiered import ObjectTier, build_object_tier
 MiB = 1 << 20
 REPO_SRC = Path(__file__).resolve().parents[2] / "src"
 
-_AWS_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_CONFIG_FILE": os.devnull,
-    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-SESSION: list[boto3.session.Session] = []
-
-
-def session() -> boto3.session.Session:
-    """One boto3 session for the module: a new session reloads the S3 model (~0.3 s)."""
-    if not SESSION:
-        SESSION.append(boto3.session.Session())
-    return SESSION[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in _AWS_ENV.items():
-            mp.setenv(key, value)
-        for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_REQUEST_CHECKSUM_CALCULATION"):
-            mp.delenv(key, raising=False)
-        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request otherwise
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        try:
-            yield f"http://{host}:{port}"
-        finally:
-            server.stop()
-
-
-def raw_client(endpoint: str):
-    config = botocore.config.Config(request_checksum_calculation="when_required", response_checksum_validation="when_required")
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", config=config)
-
-
-@pytest.fixture
-def bucket(s3_endpoint):
-    name = f"bv-{uuid.uuid4().hex[:12]}"
-    raw_client(s3_endpoint).create_bucket(Bucket=name)
-    return name
-
-
-def bucket_keys(endpoint: str, bucket: str) -> set[str]:
-    s3 = raw_client(endpoint)
-    keys: set[str] = set()
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-        keys |= {o["Key"] for o in page.get("Contents", [])}
-    return keys
-
 
 class TcpProxy:
     """Loopback TCP proxy; stop() refuses new connections and cuts the open ones."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
-        self.port = _free_port()
+        self.port = free_port()
         self._listener: socket.socket | None = None
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()

@@ -241,6 +241,7 @@ class App:
             if tier is not None:
                 await tier.start()
                 self._closers.append(tier.aclose)
+                self.metrics.watch_object_tier(tier.stats)
                 blobs, actions = tier.cas, tier.ac
                 where = self.settings.s3_endpoint or "AWS"
                 self._store_label += f" + bucket {self.settings.s3_bucket} at {where}"

@@ -9,11 +9,19 @@ Label values come from small fixed sets only: protocol (`grpc`, `http`), method 
 method or RPC name, else `other`), kind (`ac`, `cas`, `capabilities`, `status`, `metrics`,
 `other`, ...) and status (an HTTP code or a gRPC code name). A digest, an instance name or a
 path is never a label value.
+
+The S3/OBS tier (when a bucket is configured) is read at scrape time from the tier's `stats()`
+(`Metrics.watch_object_tier(tier.stats)`): requests by operation (HEAD, GET, PUT, ...: the
+object store's fixed request kinds), upload journal backlog and oldest pending age, upload
+attempts ok/failed, bytes uploaded, presence-index size, tier health, and the tier's CAS/AC
+events (fast/slow hits, backfills, lost uploads, ...). Without a bucket none of them appear.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -65,6 +73,11 @@ LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )  # fmt: skip
 _GRPC_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+# Label values taken from the object tier's stats keys (fixed in code) must look like this.
+_STATS_LABEL = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_MAX_STATS_LABELS = 32
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,116 @@ class _StorageCollector:
             )
 
 
+def _field(stats: Any, name: str) -> Any:
+    if stats is None:
+        return None
+    return stats.get(name) if isinstance(stats, Mapping) else getattr(stats, name, None)
+
+
+def _labelled(counts: Any) -> list[tuple[str, float]]:
+    """(label, value) pairs of a stats mapping, keys lowered; only bounded, name-like keys."""
+    if not isinstance(counts, Mapping):
+        return []
+    pairs = []
+    for key, value in counts.items():
+        label = str(key).lower()
+        if _STATS_LABEL.fullmatch(label) and isinstance(value, (int, float)) and len(pairs) < _MAX_STATS_LABELS:
+            pairs.append((label, float(value)))
+    return pairs
+
+
+class _ObjectTierCollector:
+    """The S3/OBS tier, read from `ObjectTier.stats()` at scrape time; nothing without a tier."""
+
+    _EMPTY = {
+        "healthy": True,
+        "requests": {"head": 0},
+        "corrupt_objects": 0,
+        "presence_entries": 0,
+        "cas": {"fast_hits": 0},
+        "ac": {"fast_hits": 0},
+        "journal": {"backlog": 0, "oldest_pending_age": 0.0, "uploads_ok": 0, "uploads_failed": 0,
+                    "bytes_uploaded": 0, "in_flight": 0},
+    }  # fmt: skip
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Any]:
+        return list(self._families(self._EMPTY))
+
+    def collect(self) -> Iterable[Any]:
+        source = self._metrics.object_tier_stats
+        if source is None:
+            return []
+        try:
+            stats = source()
+        except Exception:  # noqa: BLE001 - /metrics must answer even if the tier cannot tell
+            log.warning("object tier stats failed", exc_info=True)
+            return []
+        return list(self._families(stats))
+
+    @staticmethod
+    def _families(stats: Any) -> Iterable[Any]:
+        p = f"{PREFIX}_object_store"
+        healthy = _field(stats, "healthy")
+        if healthy is not None:
+            yield GaugeMetricFamily(
+                f"{p}_up", "1 while the object-store bucket is reachable; 0: local tier only, uploads wait.",
+                value=1.0 if healthy else 0.0,
+            )  # fmt: skip
+        requests = CounterMetricFamily(
+            f"{p}_requests", "Object-store API calls (not HTTP retries) by operation.", labels=["operation"]
+        )
+        for operation, value in _labelled(_field(stats, "requests")):
+            requests.add_metric([operation], value)
+        yield requests
+        for name, doc, key, family in (
+            ("corrupt_objects", "Bucket objects that failed verification (never served).", "corrupt_objects",
+             CounterMetricFamily),
+            ("presence_entries", "Digests in the local index of what the bucket holds (or lacks).",
+             "presence_entries", GaugeMetricFamily),
+        ):  # fmt: skip
+            value = _field(stats, key)
+            if value is not None:
+                yield family(f"{p}_{name}", doc, value=float(value))
+        events = CounterMetricFamily(
+            f"{PREFIX}_object_tier_events",
+            "What the tiered stores did: hits in the local (fast) or bucket (slow) tier, misses, "
+            "backfills, skipped and lost uploads, reads refused while the bucket was down.",
+            labels=["store", "event"],
+        )
+        for store in ("cas", "ac"):
+            for event, value in _labelled(_field(stats, store)):
+                events.add_metric([store, event], value)
+        yield events
+        journal = _field(stats, "journal")
+        if journal is None:  # read-only or uploads off: this server never writes the bucket
+            return
+        j = f"{PREFIX}_upload_journal"
+        for name, doc, key in (
+            ("backlog", "Entries in the durable upload journal not uploaded to the bucket yet.", "backlog"),
+            ("oldest_pending_age_seconds", "Age of the oldest entry waiting in the upload journal (0: none).",
+             "oldest_pending_age"),
+            ("in_flight", "Uploads from the journal in progress now.", "in_flight"),
+        ):  # fmt: skip
+            value = _field(journal, key)
+            if value is not None:
+                yield GaugeMetricFamily(f"{j}_{name}", doc, value=float(value))
+        uploads = CounterMetricFamily(
+            f"{p}_uploads", "Upload attempts from the journal to the bucket, by result.", labels=["result"]
+        )
+        for result, key in (("ok", "uploads_ok"), ("failed", "uploads_failed")):
+            value = _field(journal, key)
+            if value is not None:
+                uploads.add_metric([result], float(value))
+        yield uploads
+        uploaded = _field(journal, "bytes_uploaded")
+        if uploaded is not None:
+            yield CounterMetricFamily(f"{p}_uploaded_bytes", "Bytes uploaded from the journal to the bucket.",
+                                      value=float(uploaded))  # fmt: skip
+
+
 class Metrics:
     """The server's metrics and the few numbers /status shows, in one app-owned registry."""
 
@@ -175,6 +298,8 @@ class Metrics:
         info.labels(version=version or "unknown").set(1)
         self.version = version
         r.register(_StorageCollector(self))
+        self.object_tier_stats: Callable[[], Any] | None = None
+        r.register(_ObjectTierCollector(self))
         # Plain tallies for /status (reading Counter values back is not public API).
         self._hits = {"grpc": 0, "http": 0}
         self._misses = {"grpc": 0, "http": 0}
@@ -203,6 +328,10 @@ class Metrics:
     def set_storage(self, stats: Any) -> None:
         """Update the storage gauges from a store's stats() (see StorageSnapshot.from_stats)."""
         self.storage = StorageSnapshot.from_stats(stats)
+
+    def watch_object_tier(self, stats: Callable[[], Any] | None) -> None:
+        """Collect the S3/OBS tier's metrics from `stats()` (ObjectTier.stats) at every scrape."""
+        self.object_tier_stats = stats
 
     # -- reading -----------------------------------------------------------------------------
     @property

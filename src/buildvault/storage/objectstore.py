@@ -14,7 +14,9 @@ and every whole-blob read re-hashes the bytes. Action entries carry ``x-amz-meta
 (SHA-256 of the body), checked on every get when present. Several buildvault servers (and
 several digest functions) share one bucket safely; writes are idempotent overwrites.
 
-Every boto3 call runs in this store's thread pool, never on the event loop. Requests are
+Every boto3 call runs in this store's thread pool, never on the event loop. The pool's threads
+are daemon threads: a call stuck on a hung bucket (botocore waits `read_timeout` per attempt)
+never holds up process exit after `close()`; its journal entry is simply still pending. Requests are
 counted by operation in `request_counts` (API calls, not HTTP retries). Objects that fail
 verification are never served: a wrong size raises `CorruptObject` before any byte, a wrong
 hash raises it before the last chunk is yielded, and both are counted in `corrupt_objects`.
@@ -25,13 +27,15 @@ which overwrites (repairs) the object.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import hashlib
 import logging
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -157,6 +161,75 @@ def map_error(exc: BaseException, what: str) -> StorageError:
     return StorageError(f"{what}: {type(exc).__name__}: {exc}")
 
 
+class DaemonThreadPool(concurrent.futures.Executor):
+    """A thread pool of daemon threads (for `loop.run_in_executor`).
+
+    ThreadPoolExecutor's threads are joined at interpreter exit, whatever `shutdown(wait=False)`
+    said: a boto3 call blocked on a bucket that accepts connections and never answers kept a
+    stopped server alive for read_timeout x attempts (~90 s), past any supervisor's grace period.
+    Threads start on demand (up to `max_workers`) and idle ones are reused."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "pool") -> None:
+        self._max_workers = max(1, max_workers)
+        self._prefix = thread_name_prefix
+        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._shutdown = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            self._work.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
+                thread = threading.Thread(
+                    target=self._worker, name=f"{self._prefix}_{len(self._threads)}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+            return future
+
+    def _worker(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:  # shut down: pass it on to the next worker
+                self._work.put(None)
+                return
+            future, fn, args, kwargs = item
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as exc:
+                    future.set_exception(exc)
+                    del exc
+                else:
+                    future.set_result(result)
+                    del result
+            del future, fn, args, kwargs
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if not self._shutdown:
+                self._shutdown = True
+                if cancel_futures:
+                    while True:
+                        try:
+                            item = self._work.get_nowait()
+                        except queue.Empty:
+                            break
+                        if item is not None:
+                            item[0].cancel()
+                self._work.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join()
+
+
 class ObjectStore:
     """BlobStore + ActionStore on an S3-compatible bucket (see the module docstring for keys)."""
 
@@ -181,7 +254,7 @@ class ObjectStore:
         self.part_size = max(S3_MIN_PART_SIZE, part_size)
         self.multipart_threshold = max(self.part_size, multipart_threshold)
         self.read_only = read_only
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="buildvault-s3")
+        self._executor = DaemonThreadPool(max_workers, thread_name_prefix="buildvault-s3")
         self._head_concurrency = max(1, head_concurrency)
         self._spool_dir = spool_dir
         self.request_counts: dict[str, int] = dict.fromkeys(REQUEST_KINDS, 0)

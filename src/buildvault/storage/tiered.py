@@ -159,7 +159,8 @@ class SlowTierHealth:
         self.transitions += 1
         self._down_since = time.monotonic()
         self._up.clear()
-        logger.error("%s is unavailable, serving from the local tier only: %s", self.name, exc)
+        reason = str(exc) or type(exc).__name__  # a timeout's str() is empty
+        logger.error("%s is unavailable, serving from the local tier only: %s", self.name, reason)
         if self._probe is not None and (self._prober is None or self._prober.done()):
             try:
                 self._prober = asyncio.get_running_loop().create_task(self._probe_loop())
