@@ -856,3 +856,15 @@ async def test_cancelling_small_writes_in_a_coalesced_trip_keeps_everything_cons
     assert storage._reserved == 0 and storage.stats().used_bytes == sum(map(len, blobs))
     assert os.listdir(storage.root / "tmp") == []
     assert_consistent(storage)
+
+
+async def test_find_missing_indices_matches_find_missing(storage: DiskStorage) -> None:
+    stored = await fill(storage, 4, 40)
+    absent = [Digest.of(b"absent %d" % n) for n in range(3)]
+    digests = [absent[0], stored[0], absent[1], stored[1], absent[0], absent[2], stored[0]]
+    hashes, sizes = [d.hash for d in digests], [d.size_bytes for d in digests]
+    assert await storage.cas.find_missing_indices(DigestFunction.SHA256, hashes, sizes) == [0, 2, 5]
+    assert await storage.cas.find_missing_indices(DigestFunction.BLAKE3, hashes[:2], sizes[:2]) == [0, 1]
+    huge = [stored[2].hash, "zz" * 32, stored[3].hash]
+    assert await storage.cas.find_missing_indices(DigestFunction.SHA256, huge, [1 << 60, 3, stored[3].size_bytes]) == [0, 1]
+    assert list(storage._index)[-1] == disk._cas_key(stored[3])  # hits count as uses

@@ -1523,6 +1523,32 @@ class DiskStorage:
                 index[key] = now  # type: ignore[index]
         return missing
 
+    def _missing_indices(self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """_find_missing without Digest objects: positions of the absent (first occurrences)."""
+        index = self._index
+        now = self._now()
+        fn_byte = _FN_BYTE[function]
+        fromhex = bytes.fromhex
+        missing: list[int] = []
+        unique = len(set(hashes)) == len(hashes)  # the usual case: no need to track duplicates
+        seen: set[object] = set()
+        for i, (hex_hash, size) in enumerate(zip(hashes, sizes)):
+            try:
+                key: Any = fn_byte + fromhex(hex_hash) + size.to_bytes(_SIZE_BYTES, "big")
+                if len(key) != 39:
+                    key = (hex_hash, size)  # malformed: never stored
+            except (ValueError, TypeError, OverflowError):
+                key = (hex_hash, size)
+            if not unique:
+                if key in seen:
+                    continue
+                seen.add(key)
+            if index.pop(key, None) is None:
+                missing.append(i)
+            else:  # a client told "present" will reference it soon: keep it
+                index[key] = now
+        return missing
+
     async def _read(self, digest: Digest, offset: int, limit: int) -> AsyncIterator[bytes]:
         self._check_open()
         try:
@@ -1765,6 +1791,12 @@ class DiskBlobStore:
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         return await self.storage._lookup(function, hash)
+
+    async def find_missing_indices(self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """find_missing for parallel lists of hex hashes and sizes (no Digest objects: FindMissingBlobs'
+        hot path): the positions of the absent ones, first occurrences only, in order."""
+        self.storage._check_open()
+        return self.storage._missing_indices(function, hashes, sizes)
 
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
         """Whole blobs, each its bytes or its error (NotFound...): small ones in one pool trip."""

@@ -42,8 +42,17 @@ MAX_TREE_PAGE_BYTES = MAX_BATCH_TOTAL_SIZE
 _TOKEN_PREFIX = "t1."
 
 
-# str.translate deleting every lowercase hex digit leaves "" only for valid hex (faster than a regex).
-_DROP_HEX = str.maketrans("", "", "0123456789abcdef")
+_HEX_DIGITS = b"0123456789abcdef"
+
+
+def _all_hex(hashes: list[str]) -> bool:
+    """Every hash is lowercase hex: deleting the hex digits from all of them leaves nothing
+    (bytes.translate: far faster than a regex or str.translate)."""
+    try:
+        return not "".join(hashes).encode("ascii").translate(None, _HEX_DIGITS)
+    except UnicodeEncodeError:
+        return False
+
 _get_hash = operator.attrgetter("hash")
 _get_size = operator.attrgetter("size_bytes")
 # Digest is a frozen slotted dataclass; its generated __init__ costs ~0.7 us. For already
@@ -62,16 +71,21 @@ def _digest(hash: str, size: int, function: DigestFunction) -> Digest:
     return digest
 
 
+def _fields(messages: Sequence[re_pb2.Digest], function: DigestFunction) -> tuple[list[str], list[int]]:
+    """The hashes and sizes of many Digest messages, validated in bulk (InvalidDigest names the first bad one)."""
+    items = list(messages)  # one wrapper per element, not one per field access
+    hashes = list(map(_get_hash, items))
+    sizes = list(map(_get_size, items))
+    if hashes and not (set(map(len, hashes)) == {64} and _all_hex(hashes) and min(sizes) >= 0):
+        for h, s in zip(hashes, sizes):  # something is malformed: let Digest.parse name it
+            Digest.parse(h, s, function)
+    return hashes, sizes
+
+
 def parse_digests(messages: Sequence[re_pb2.Digest], function: DigestFunction) -> list[Digest]:
-    """Validate and convert many Digest messages: one regex over all hashes, then no per-item checks."""
-    if not messages:
-        return []
-    hashes = list(map(_get_hash, messages))
-    sizes = list(map(_get_size, messages))
-    if set(map(len, hashes)) == {64} and not "".join(hashes).translate(_DROP_HEX) and min(sizes) >= 0:
-        return [_digest(h, s, function) for h, s in zip(hashes, sizes)]
-    # Something is malformed: let Digest.parse name it.
-    return [Digest.parse(h, s, function) for h, s in zip(hashes, sizes)]
+    """Validate and convert many Digest messages: one check over all hashes, then no per-item checks."""
+    hashes, sizes = _fields(messages, function)
+    return [_digest(h, s, function) for h, s in zip(hashes, sizes)]
 
 
 class CasService:
@@ -87,14 +101,24 @@ class CasService:
     ) -> re_pb2.FindMissingBlobsResponse:
         verify_instance_name(request.instance_name)
         function = DigestFunction.from_wire(request.digest_function)
-        digests = parse_digests(request.blob_digests, function)
-        missing = await find_missing(self.blobs, digests)
-        logs.note(digests=len(digests), missing=len(missing))
-        response = re_pb2.FindMissingBlobsResponse()
-        add = response.missing_blob_digests.add
-        for digest in missing:
-            add(hash=digest.hash, size_bytes=digest.size_bytes)
-        return response
+        by_fields = getattr(self.blobs, "find_missing_indices", None)
+        if by_fields is None:
+            digests = parse_digests(request.blob_digests, function)
+            missing = await find_missing(self.blobs, digests)
+            logs.note(digests=len(digests), missing=len(missing))
+            response = re_pb2.FindMissingBlobsResponse()
+            add = response.missing_blob_digests.add
+            for digest in missing:
+                add(hash=digest.hash, size_bytes=digest.size_bytes)
+            return response
+        # The hot path (the disk store): no Digest objects; the reply echoes the request's messages.
+        messages = request.blob_digests
+        hashes, sizes = _fields(messages, function)
+        absent = await by_fields(function, hashes, sizes)
+        if absent and 0 in sizes:  # the empty blob is always present
+            absent = [i for i in absent if not is_empty(Digest(hashes[i], sizes[i], function))]
+        logs.note(digests=len(hashes), missing=len(absent))
+        return re_pb2.FindMissingBlobsResponse(missing_blob_digests=[messages[i] for i in absent])
 
     @rpc("BatchUpdateBlobs")
     async def BatchUpdateBlobs(
