@@ -868,3 +868,32 @@ async def test_find_missing_indices_matches_find_missing(storage: DiskStorage) -
     huge = [stored[2].hash, "zz" * 32, stored[3].hash]
     assert await storage.cas.find_missing_indices(DigestFunction.SHA256, huge, [1 << 60, 3, stored[3].size_bytes]) == [0, 1]
     assert list(storage._index)[-1] == disk._cas_key(stored[3])  # hits count as uses
+
+
+async def test_action_entries_are_served_from_memory_and_stay_current(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+    digest = Digest.of(b"action")
+    await storage.ac.put("ac", digest, b"first")
+    reads: list[str] = []
+    read_file = disk._read_file
+    monkeypatch.setattr(disk, "_read_file", lambda path: (reads.append(path), read_file(path))[1])
+    assert await storage.ac.get("ac", digest) == b"first"
+    assert reads == []  # written just now: in memory
+    await storage.ac.put("ac", digest, b"second")
+    assert await storage.ac.get("ac", digest) == b"second"
+    storage._ac_cache.clear()
+    storage._ac_cache_bytes = 0
+    assert await storage.ac.get("ac", digest) == b"second" and len(reads) == 1
+    assert await storage.ac.get("ac", digest) == b"second" and len(reads) == 1  # cached by the read
+    storage._forget(storage._ac_key("ac", digest))  # evicted: neither the index nor the cache has it
+    assert storage._ac_cache == {}
+    with pytest.raises(NotFound):
+        await storage.ac.get("ac", digest)
+
+
+async def test_the_action_cache_in_memory_is_bounded(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk, "AC_CACHE_BYTES", 64 * 100)
+    for n in range(200):
+        await storage.ac.put("ac", Digest.of(b"%d" % n), bytes(100))
+    assert storage._ac_cache_bytes <= 64 * 100 and len(storage._ac_cache) == 64
+    assert sum(map(len, storage._ac_cache.values())) == storage._ac_cache_bytes
+    assert await storage.ac.get("ac", Digest.of(b"0")) == bytes(100)

@@ -71,6 +71,9 @@ WRITE_BATCH = 1 << 20
 SMALL_OP = WRITE_BATCH
 _TRIP_OPS = 128  # operations per coalesced trip, at most
 _TRIP_BYTES = 8 << 20  # bytes written per coalesced trip, at most
+# Action entries (a few hundred bytes each) recently written or read are also kept in memory,
+# up to this many bytes, so a GetActionResult hit makes no trip to the worker threads.
+AC_CACHE_BYTES = 4 << 20
 # Durability (see "Durability" in the class docs): writes are acknowledged once renamed into
 # place, without an fsync each; every SYNC_INTERVAL seconds, if anything changed, a background
 # thread syncs the filesystem and then records the time the sync started in SYNC.
@@ -703,6 +706,9 @@ class DiskStorage:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._namespaces: dict[str, bytes] = {}  # validated namespace -> key prefix
         self._sizes: dict[bytes, int] = {}  # recent hash-only lookups: function byte + raw hash -> size
+        self._ac_cache: dict[bytes, bytes] = {}  # AC key -> entry, oldest first (see AC_CACHE_BYTES)
+        self._ac_cache_bytes = 0
+        self._ac_published = 0  # AC publishes so far: a read that raced one is not cached
         self._lock_fd: int | None = None
         self._tracking: set[bytes] | None = None  # dirs whose index entries changed during a checkpoint
         self._closing = False
@@ -1218,11 +1224,28 @@ class DiskStorage:
         """Drop an entry from the index and the accounting; return its size."""
         size = self._entry_size(key)
         del self._index[key]
-        self._ac_sizes.pop(key, None)
+        if self._ac_sizes.pop(key, None) is not None:
+            self._uncache(key)
         self._used -= size
         if self._tracking is not None:
             self._tracking.add(_dir_id(key))
         return size
+
+    def _cache(self, key: bytes, data: bytes) -> None:
+        """Keep an action entry in memory (first in, first out within AC_CACHE_BYTES)."""
+        if len(data) > AC_CACHE_BYTES // 64:
+            return
+        self._uncache(key)
+        cache = self._ac_cache
+        cache[key] = data
+        self._ac_cache_bytes += len(data)
+        while self._ac_cache_bytes > AC_CACHE_BYTES:
+            self._uncache(next(iter(cache)))
+
+    def _uncache(self, key: bytes) -> None:
+        old = self._ac_cache.pop(key, None)
+        if old is not None:
+            self._ac_cache_bytes -= len(old)
 
     def _evict(self, need: int) -> list[asyncio.Future[None]]:
         """Drop least recently used entries until `need` bytes are freed; unlink their files in the pool."""
@@ -1437,6 +1460,7 @@ class DiskStorage:
         self._index[key] = self._now()
         if key[0] == _AC_TAG:
             self._ac_sizes[key] = size
+            self._ac_published += 1
         self._used += size
         self._unsynced = True
         if self._tracking is not None:
@@ -1484,6 +1508,8 @@ class DiskStorage:
             try:
                 if not future.cancelled() and future.exception() is None:
                     self._indexed(key, reservation)
+                    if key[0] == _AC_TAG:
+                        self._cache(key, data)
             finally:
                 reservation.release()
                 del self._publishing[key]
@@ -1755,6 +1781,10 @@ class DiskStorage:
         if key not in self._index:
             raise NotFound(f"no entry for {digest} in {namespace!r}")
         self._touch(key)
+        data = self._ac_cache.get(key)
+        if data is not None:
+            return data
+        published = self._ac_published
         try:
             data = await self._ops.submit(_read_file, (self._path(key),))
         except OSError as e:
@@ -1762,6 +1792,8 @@ class DiskStorage:
         if data is None:
             self._drop_missing(key)
             raise NotFound(f"no entry for {digest} in {namespace!r}")
+        if published == self._ac_published and key in self._index and key not in self._publishing:
+            self._cache(key, data)  # no entry was replaced meanwhile: this is the current one
         return data
 
     async def _ac_put(self, namespace: str, digest: Digest, data: bytes) -> None:
