@@ -897,3 +897,16 @@ async def test_the_action_cache_in_memory_is_bounded(storage: DiskStorage, monke
     assert storage._ac_cache_bytes <= 64 * 100 and len(storage._ac_cache) == 64
     assert sum(map(len, storage._ac_cache.values())) == storage._ac_cache_bytes
     assert await storage.ac.get("ac", Digest.of(b"0")) == bytes(100)
+
+
+async def test_batch_reads_find_damaged_and_vanished_files(storage: DiskStorage) -> None:
+    good, longer, shorter, gone = [await fill_one(storage, bytes([n]) * 300) for n in range(4)]
+    blob_path(storage.root, longer).write_bytes(bytes(301))
+    blob_path(storage.root, shorter).write_bytes(bytes(299))
+    blob_path(storage.root, gone).unlink()
+    results = await storage.cas.read_blobs([good, longer, shorter, gone])
+    assert results[0] == bytes([0]) * 300
+    assert [type(r).__name__ for r in results[1:]] == ["NotFound"] * 3
+    await asyncio.sleep(0.05)  # the deletions of the damaged files
+    assert await storage.cas.find_missing([good, longer, shorter, gone]) == [longer, shorter, gone]
+    assert_consistent(storage)

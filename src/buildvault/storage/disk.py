@@ -191,14 +191,45 @@ def _read_small(path: str, size: int, offset: int, end: int) -> tuple[int, bytes
 
 
 def _read_many(items: list[tuple[str, int]]) -> list[tuple[int, bytes | OSError]]:
-    """Whole small files in one trip: (status, bytes) each, or (-1, the OSError)."""
+    """Whole small files in one trip: (status, bytes) each, or (-1, the OSError). Three syscalls
+    a file: reading one byte more than the size finds a file of the wrong size without a stat."""
     results: list[tuple[int, bytes | OSError]] = []
+    append = results.append
+    flags = os.O_RDONLY | os.O_CLOEXEC
     for path, size in items:
         try:
-            results.append(_read_small(path, size, 0, size))
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            append((_MISSING, b""))
+            continue
         except OSError as e:
-            results.append((-1, e))
+            append((-1, e))
+            continue
+        try:
+            data = os.read(fd, size + 1)
+            if len(data) == size:
+                append((_OK, data))
+            elif len(data) > size:
+                append((_DAMAGED, b""))
+            else:  # a short read of a regular file is the end of it, unless a signal cut it
+                rest = _read_rest(fd, size - len(data) + 1)
+                append((_OK, data + rest) if len(data) + len(rest) == size else (_DAMAGED, b""))
+        except OSError as e:
+            append((-1, e))
+        finally:
+            os.close(fd)
     return results
+
+
+def _read_rest(fd: int, wanted: int) -> bytes:
+    parts = []
+    while wanted > 0:
+        chunk = os.read(fd, wanted)
+        if not chunk:
+            break
+        parts.append(chunk)
+        wanted -= len(chunk)
+    return b"".join(parts)
 
 
 def _write_many(items: list[tuple[str, str, bytes, Digest | None]]) -> list[Exception | None]:
@@ -1623,21 +1654,26 @@ class DiskStorage:
         self._check_open()
         results: list[bytes | Exception | None] = [None] * len(digests)
         index = self._index
+        now = self._now()
+        fromhex = bytes.fromhex
+        cas_dir = self._cas_dir
         batch: list[tuple[str, int]] = []
         where: list[tuple[int, bytes, Digest]] = []
         singles: list[int] = []
         for i, digest in enumerate(digests):
+            hex_hash, size, function = digest.hash, digest.size_bytes, digest.function
             try:
-                key = _cas_key(digest)
-            except InvalidDigest:
+                key = _FN_BYTE[function] + fromhex(hex_hash) + size.to_bytes(_SIZE_BYTES, "big")
+            except (ValueError, TypeError, OverflowError):
                 key = b""
-            if key not in index:
+            if len(key) != 39 or index.pop(key, None) is None:
                 results[i] = NotFound(f"blob {digest} not found")
-            elif digest.size_bytes > SMALL_OP:
+                continue
+            index[key] = now  # read: a use
+            if size > SMALL_OP:
                 singles.append(i)
             else:
-                self._touch(key)
-                batch.append((self._path(key), digest.size_bytes))
+                batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", size))
                 where.append((i, key, digest))
         if batch:
             found = await self._ops.submit(_read_many, (batch,), 0)

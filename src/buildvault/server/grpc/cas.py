@@ -187,13 +187,18 @@ class CasService:
         outcomes: list[bytes | Exception] = [b""] * len(messages)
         wanted: list[Digest] = []
         where: list[int] = []
-        for i, message in enumerate(messages):
-            try:
-                digest = Digest.from_proto(message, function)
-            except Exception as exc:  # noqa: BLE001 - per-blob status
-                outcomes[i] = exc
-                continue
-            if not is_empty(digest):  # the empty blob is always present, stored or not
+        try:
+            digests: list[Digest | None] = parse_digests(messages, function)  # all valid: the usual case
+        except InvalidDigest:
+            digests = [None] * len(messages)
+        for i, (message, digest) in enumerate(zip(messages, digests)):
+            if digest is None:
+                try:
+                    digest = Digest.from_proto(message, function)
+                except Exception as exc:  # noqa: BLE001 - per-blob status
+                    outcomes[i] = exc
+                    continue
+            if digest.size_bytes or not is_empty(digest):  # the empty blob is always present, stored or not
                 wanted.append(digest)
                 where.append(i)
         for i, outcome in zip(where, await read_blobs(self.blobs, wanted)):  # one store call for the batch
