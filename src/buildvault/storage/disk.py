@@ -9,6 +9,8 @@ Layout under `root` (one process per root, enforced with an flock on root/LOCK):
                                                  one atomic rename; emptied at start-up
     index.lru                                    index snapshot: LRU order, sizes, directory mtimes
                                                  (written by close() and every checkpoint_interval)
+    SYNC                                         the last sync point and whether the store was closed
+                                                 cleanly (see "durability" below: no fsync per write)
 
 Recency is persisted in the snapshot, not derived from atime/mtime: atime is usually off
 (noatime/relatime), and keeping mtime current would cost a metadata write per read. The snapshot
@@ -74,7 +76,7 @@ _TRIP_BYTES = 8 << 20  # bytes written per coalesced trip, at most
 # Action entries (a few hundred bytes each) recently written or read are also kept in memory,
 # up to this many bytes, so a GetActionResult hit makes no trip to the worker threads.
 AC_CACHE_BYTES = 4 << 20
-# Durability (see "Durability" in the class docs): writes are acknowledged once renamed into
+# Durability (see "durability" in DiskStorage, docs/architecture.md): writes are acknowledged once renamed into
 # place, without an fsync each; every SYNC_INTERVAL seconds, if anything changed, a background
 # thread syncs the filesystem and then records the time the sync started in SYNC.
 SYNC_INTERVAL = 1.0
