@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,54 @@ def tmp_files(server: ServerProcess) -> list[str]:
     return sorted(os.listdir(tmp)) if tmp.exists() else []
 
 
+async def upload_held_open(stubs, name: str, data: bytes, release: asyncio.Event, finish: bool = False):
+    """A Write of `data` in 1 MiB requests: the first two, and once the server has taken them the
+    call is returned with its stream held open until `release` is set; then the rest if `finish`."""
+    requests = write_requests(name, data, chunk=MiB)
+
+    async def stream():
+        for request in requests[:2]:
+            yield request
+        await release.wait()
+        if finish:
+            for request in requests[2:]:
+                yield request
+
+    call = stubs.bytestream.Write(stream())
+    assert (await wait_committed(stubs, name, 2 * MiB)).committed_size == 2 * MiB
+    return call
+
+
+def refuses_connections(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+async def wait_draining(server: ServerProcess, timeout: float = 20.0) -> None:
+    """Until the server has taken the SIGTERM: it said "shutting down" and its gRPC port refuses
+    new connections (stop() closed the listener; in-flight calls go on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        draining = "shutting down" in server.output() and refuses_connections(server.grpc_address)
+        assert server.running, f"the server exited instead of draining:\n{server.output()}"
+        if draining:
+            return
+        assert time.monotonic() < deadline, f"no sign of draining after {timeout:g}s:\n{server.output()}"
+        await asyncio.sleep(0.01)
+
+
+async def assert_missing_after_start(server: ServerProcess, d) -> None:
+    """Start the server again: `d` is not in the CAS (nothing half-published)."""
+    server.start()
+    channel, stubs = await connect(server.grpc_address)
+    async with channel:
+        assert await missing(stubs, [d]) == {key(d)}
+
+
 async def test_restart_keeps_blobs_and_action_results(buildvault_server):
     small, large = blob(1000), blob(3 * MiB)
     channel, stubs = await connect(buildvault_server.grpc_address)
@@ -57,23 +106,12 @@ async def test_sigterm_lets_inflight_upload_finish(buildvault_server):
     data = blob(4 * MiB)
     d = digest(data)
     name = upload_name(d)
-    requests = write_requests(name, data, chunk=MiB)
     proceed = asyncio.Event()
     channel, stubs = await connect(buildvault_server.grpc_address)
     async with channel:
-
-        async def stream():
-            for request in requests[:2]:
-                yield request
-            await proceed.wait()
-            for request in requests[2:]:
-                yield request
-
-        call = stubs.bytestream.Write(stream())
-        assert (await wait_committed(stubs, name, 2 * MiB)).committed_size == 2 * MiB
+        call = await upload_held_open(stubs, name, data, proceed, finish=True)
         buildvault_server.process.send_signal(15)
-        await asyncio.sleep(0.3)  # the server is now draining; the upload goes on
-        assert buildvault_server.running
+        await wait_draining(buildvault_server)  # no new connections; the upload goes on
         proceed.set()
         reply = await call
         assert reply.committed_size == len(data)
@@ -112,16 +150,9 @@ async def test_second_signal_cancels_inflight_uploads(buildvault_server):
     hold = asyncio.Event()
     channel, stubs = await connect(buildvault_server.grpc_address)
     async with channel:
-
-        async def stream():
-            for request in write_requests(name, data, chunk=MiB)[:2]:
-                yield request
-            await hold.wait()
-
-        call = stubs.bytestream.Write(stream())
-        await wait_committed(stubs, name, 2 * MiB)
+        call = await upload_held_open(stubs, name, data, hold)
         buildvault_server.process.send_signal(15)
-        await asyncio.sleep(0.3)
+        await wait_draining(buildvault_server)  # the first signal's grace period has begun
         started = time.monotonic()
         buildvault_server.process.send_signal(15)
         assert buildvault_server.process.wait(15) == 0
@@ -130,10 +161,7 @@ async def test_second_signal_cancels_inflight_uploads(buildvault_server):
             await call
         hold.set()
     assert tmp_files(buildvault_server) == []
-    buildvault_server.start()
-    channel, stubs = await connect(buildvault_server.grpc_address)
-    async with channel:
-        assert await missing(stubs, [d]) == {key(d)}
+    await assert_missing_after_start(buildvault_server, d)
 
 
 async def test_killed_server_publishes_nothing_partial(buildvault_server):
@@ -143,22 +171,12 @@ async def test_killed_server_publishes_nothing_partial(buildvault_server):
     hold = asyncio.Event()
     channel, stubs = await connect(buildvault_server.grpc_address)
     async with channel:
-
-        async def stream():
-            for request in write_requests(name, data, chunk=MiB)[:2]:
-                yield request
-            await hold.wait()
-
-        call = stubs.bytestream.Write(stream())
-        await wait_committed(stubs, name, 2 * MiB)
+        call = await upload_held_open(stubs, name, data, hold)
         buildvault_server.kill()
         with pytest.raises(grpc.aio.AioRpcError):
             await call
         hold.set()
-    buildvault_server.start()
-    channel, stubs = await connect(buildvault_server.grpc_address)
-    async with channel:
-        assert await missing(stubs, [d]) == {key(d)}
+    await assert_missing_after_start(buildvault_server, d)
     assert tmp_files(buildvault_server) == []  # start-up clears leftovers
 
 
