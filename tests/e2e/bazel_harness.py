@@ -37,6 +37,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from required_tools import INSTALL_HINT, MissingToolError
+
 HERE = Path(__file__).resolve().parent
 TEMPLATE_DIR = HERE / "bazel_workspace"
 
@@ -47,21 +49,14 @@ BINARY_PATH = "app/hello"
 #: CppCompile x5 + CppLink x5 (see module docstring)
 CACHEABLE_SPAWNS = 10
 INTERNAL_SPAWNS = 8
-
-INSTALL_HINT = (
-    "run `bash scripts/install-system-deps.sh` (as root or with sudo) to install "
-    "Bazel (bazel-bootstrap 4.2.3), ccache, cmake and g++ for the e2e tests"
-)
+#: a build where every cacheable spawn is a remote cache hit
+ALL_HITS = {"remote cache hit": CACHEABLE_SPAWNS, "internal": INTERNAL_SPAWNS}
 
 # Debian's bazel-bootstrap ships a pre-extracted install base; its client
 # binary has no embedded archive, so with --nosystem_rc we must point at it.
 DEBIAN_INSTALL_BASE = Path("/usr/share/bazel")
 
 DEFAULT_TIMEOUT = 600.0
-
-
-class MissingToolError(RuntimeError):
-    pass
 
 
 def find_bazel() -> str:

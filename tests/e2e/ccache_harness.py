@@ -24,6 +24,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from required_tools import find_tool
+
 HERE = Path(__file__).resolve().parent
 TEMPLATE_DIR = HERE / "cmake_project"
 
@@ -32,23 +34,7 @@ TRANSLATION_UNITS = 4
 EXECUTABLE = "ccache_demo"
 EXPECTED_OUTPUT = "buildvault-ccache-e2e: crc32(123456789)=cbf43926"
 
-INSTALL_HINT = (
-    "run `bash scripts/install-system-deps.sh` (as root or with sudo) to install "
-    "Bazel (bazel-bootstrap 4.2.3), ccache, cmake and g++ for the e2e tests"
-)
-
 DEFAULT_TIMEOUT = 300.0
-
-
-class MissingToolError(RuntimeError):
-    pass
-
-
-def find_tool(name: str) -> str:
-    exe = shutil.which(name)
-    if not exe:
-        raise MissingToolError(f"`{name}` not found on PATH: {INSTALL_HINT}")
-    return exe
 
 
 def parse_print_stats(text: str) -> dict[str, int]:

@@ -158,8 +158,6 @@ async def make_tier(tmp_path):
 @pytest.fixture(params=["memory", "disk"])
 def on_disk(request) -> bool:
     """Run a test with memory fast tiers and again with the disk store as the fast tier."""
-    if request.param == "disk":
-        pytest.importorskip("buildvault.storage.disk")
     return request.param == "disk"
 
 

@@ -1,4 +1,5 @@
-"""Fixtures for buildvault-cc tests: a live `buildvault serve`, compiler shims, launcher env."""
+"""Fixtures for buildvault-cc tests: a live `buildvault serve`, compiler shims, launcher env, and
+the checks for the system tools (shared with tests/e2e: a missing tool fails, never skips)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,23 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-for extra in (HERE, HERE.parent / "integration"):
+for extra in (HERE, HERE.parent / "integration", HERE.parent / "e2e"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
 from launcher_harness import LauncherEnv, Toolchain, make_env, start_server  # noqa: E402,F401
+from required_tools import require_bazel, require_tools  # noqa: E402,F401 - require_bazel: a fixture
 
 
-def _require(*tools: str) -> None:
-    missing = [t for t in tools if not shutil.which(t)]
-    if missing:
-        pytest.skip(f"missing {', '.join(missing)}: run scripts/install-system-deps.sh")
-
-
+# A missing tool fails the test (never skips it) and names scripts/install-system-deps.sh.
 @pytest.fixture(scope="session")
 def require_cmake():
-    _require("cmake", "g++")
+    require_tools("cmake", "g++")
 
 
 @pytest.fixture
 def require_gxx():
-    _require("g++")
+    require_tools("g++")
 
 
 @pytest.fixture

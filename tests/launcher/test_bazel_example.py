@@ -7,16 +7,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bazel_harness import BazelWorkspace  # tests/e2e (on sys.path through conftest.py)
 from launcher_harness import EXAMPLE, start_server
-
-E2E = Path(__file__).resolve().parents[1] / "e2e"
-if str(E2E) not in sys.path:
-    sys.path.insert(0, str(E2E))
-
-from bazel_harness import BazelWorkspace  # noqa: E402
 
 BINARY = "csrc/op_registry_demo"
 # 20 C++ compiles + 1 genrule + 8 links/archives (Bazel 4.2.3, this tree).
@@ -27,9 +21,7 @@ SOC_INDEPENDENT = 4
 
 
 @pytest.fixture
-def workspace(tmp_path):
-    if not shutil.which("bazel") or not shutil.which("g++"):
-        pytest.skip("bazel / g++ missing: run scripts/install-system-deps.sh")
+def workspace(tmp_path, require_bazel):
     template = tmp_path / "template"
     shutil.copytree(EXAMPLE, template, ignore=shutil.ignore_patterns("build", "_build", "bazel-*"))
     subprocess.run([sys.executable, str(template / "gen_bazel.py"), str(template)], check=True, capture_output=True)
