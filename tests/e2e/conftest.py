@@ -1,40 +1,52 @@
 """Shared fixtures for the real-client e2e tests (Bazel 4.2.3, ccache 4.7.5).
 
 Nothing here skips: a missing tool makes the tests FAIL with a hint to run
-``scripts/install-system-deps.sh``.
+``scripts/install-system-deps.sh`` (``required_tools``, shared with tests/launcher).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
+import contextlib
 import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for extra in (HERE, HERE.parent / "integration"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
 
-from bazel_harness import INSTALL_HINT, BazelWorkspace  # noqa: E402
+from bazel_harness import BazelWorkspace  # noqa: E402
 from ccache_harness import CcacheProject  # noqa: E402
+from required_tools import require_bazel, require_ccache  # noqa: E402,F401 - fixtures
+from server_process import ServerProcess  # noqa: E402
 
 
-def _require(*tools: str) -> None:
-    missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        pytest.fail(f"missing e2e tool(s) {', '.join(missing)}: {INSTALL_HINT}", pytrace=False)
+@pytest.fixture
+def servers(tmp_path):
+    """``start(name, *flags, **ServerProcess kwargs)`` -> a running ``buildvault serve`` with its
+    own data dir; all are stopped at teardown."""
+    with contextlib.ExitStack() as stack:
+
+        def start(name: str, *args: str, **kwargs) -> ServerProcess:
+            process = ServerProcess(tmp_path / name / "data", name=name, extra_args=list(args), **kwargs)
+            return stack.enter_context(process)
+
+        yield start
 
 
-@pytest.fixture(scope="session")
-def require_bazel() -> None:
-    _require("bazel", "gcc", "g++")
+@pytest.fixture
+def server_log_level() -> str:
+    """The ``server`` fixture's --log-level (a test module overrides this fixture to change it)."""
+    return "info"
 
 
-@pytest.fixture(scope="session")
-def require_ccache() -> None:
-    _require("ccache", "cmake", "make", "gcc", "g++")
+@pytest.fixture
+def server(servers, server_log_level) -> ServerProcess:
+    """One ``buildvault serve`` (gRPC and HTTP on loopback) with a fresh data dir."""
+    return servers("server", log_level=server_log_level)
 
 
 @pytest.fixture

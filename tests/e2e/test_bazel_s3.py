@@ -9,16 +9,10 @@ over bazel-remote's HTTP protocol.
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from pathlib import Path
-
 import pytest
 
-from bazel_harness import CACHEABLE_SPAWNS, EXPECTED_OUTPUT, INTERNAL_SPAWNS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
-from s3_server import (  # noqa: E402,F401 - fixtures
+from bazel_harness import ALL_HITS, CACHEABLE_SPAWNS, EXPECTED_OUTPUT
+from s3_server import (  # noqa: F401 - fixtures
     aws_env,
     bucket_keys,
     create_bucket,
@@ -30,23 +24,9 @@ from s3_server import (  # noqa: E402,F401 - fixtures
     tier_args,
     wait_drained,
 )
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)
-
-ALL_HITS = {"remote cache hit": CACHEABLE_SPAWNS, "internal": INTERNAL_SPAWNS}
-
-
-@pytest.fixture
-def servers(tmp_path):
-    """start(name, *flags) -> a running ServerProcess; all are stopped at teardown."""
-    with contextlib.ExitStack() as stack:
-
-        def start(name: str, *args: str) -> ServerProcess:
-            return stack.enter_context(ServerProcess(tmp_path / name / "data", name=name, extra_args=list(args)))
-
-        yield start
-
 
 def url(server: ServerProcess, protocol: str) -> str:
     return f"grpc://{server.grpc_address}" if protocol == "grpc" else f"http://{server.http_address}"

@@ -9,40 +9,11 @@ ActionResult over gRPC.
 
 from __future__ import annotations
 
-import json
-import sys
-import urllib.request
-from pathlib import Path
-
 import pytest
 
 from ccache_harness import EXPECTED_OUTPUT, TRANSLATION_UNITS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
-from server_process import ServerProcess  # noqa: E402
-
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture
-def server(tmp_path):
-    process = ServerProcess(tmp_path / "server" / "data", name="buildvault").start()
-    try:
-        yield process
-    finally:
-        try:
-            process.stop()
-        finally:
-            process.kill()
-
-
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read()
-
-
-def _status(server: ServerProcess) -> dict:
-    return json.loads(_get(f"http://{server.http_address}/status"))
 
 
 def _rebuild_all_remote_hits(project) -> dict[str, int]:
@@ -69,12 +40,12 @@ def test_ccache_remote_storage_clean_rebuild_is_all_remote_hits(ccache_project_f
     assert cold["remote_storage_write"] == 2 * TRANSLATION_UNITS  # a result and a manifest per compile
     assert cold["remote_storage_error"] == 0, project.show_stats()
     assert project.run_binary().stdout == EXPECTED_OUTPUT + "\n"
-    status = _status(server)
+    status = server.status()
     assert status["ac_entries"] == 2 * TRANSLATION_UNITS
     assert status["ac_misses_by_protocol"]["http"] == 2 * TRANSLATION_UNITS
 
     _rebuild_all_remote_hits(project)
-    assert _status(server)["ac_hits_by_protocol"]["http"] == 2 * TRANSLATION_UNITS
+    assert server.status()["ac_hits_by_protocol"]["http"] == 2 * TRANSLATION_UNITS
 
     # A copy of the project elsewhere, with its own empty local cache, hits too.
     other = ccache_project_factory("b", remote_storage=remote)
@@ -97,7 +68,7 @@ def test_ccache_layouts_share_entries(ccache_project_factory, server):
         assert stats["remote_storage_hit"] == TRANSLATION_UNITS, reader.show_stats()
         assert stats["remote_storage_write"] == 0, reader.show_stats()
     # Still one set of entries: the readers wrote nothing new.
-    assert _status(server)["ac_entries"] == 2 * TRANSLATION_UNITS
+    assert server.status()["ac_entries"] == 2 * TRANSLATION_UNITS
 
 
 def test_ccache_default_layout_is_subdirs(ccache_project_factory, server):

@@ -16,6 +16,7 @@ import re
 import pytest
 
 from bazel_harness import (
+    ALL_HITS,
     CACHEABLE_SPAWNS,
     EXPECTED_OUTPUT,
     INTERNAL_SPAWNS,
@@ -144,7 +145,7 @@ def test_bazel_http_remote_cache_selftest_store(bazel_workspace_factory, http_st
     http_store.clear_log()
     ws.clean()
     warm = ws.build(remote_cache=url, check=True).processes
-    assert warm.as_dict() == {"remote cache hit": CACHEABLE_SPAWNS, "internal": INTERNAL_SPAWNS}, warm.line
+    assert warm.as_dict() == ALL_HITS, warm.line
     assert {r.method for r in http_store.requests} == {"GET"}
     assert all(r.status == 200 for r in http_store.requests)
     assert ws.run_binary().stdout == EXPECTED_OUTPUT + "\n"

@@ -4,6 +4,7 @@
     server.grpc_address                          # "127.0.0.1:43121" (port 0 was asked for)
     server.restart()                             # same data dir, same ports
     server.stop()                                # SIGTERM, wait; returns the exit code
+    server.status()                              # GET /status (JSON)
 
 Readiness comes from the server's start-up banner, never from sleeping. The server's output
 goes to `data_dir.parent / "<name>.log"` (and `server.output()`), which a failing test prints.
@@ -11,12 +12,14 @@ goes to `data_dir.parent / "<name>.log"` (and `server.output()`), which a failin
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 READY_PREFIX = "buildvault ready:"
@@ -162,6 +165,11 @@ class ServerProcess:
 
     def output(self) -> str:
         return "".join(self._lines)
+
+    def status(self) -> dict:
+        """The HTTP listener's /status document."""
+        with urllib.request.urlopen(f"http://{self.http_address}/status", timeout=10) as response:
+            return json.load(response)
 
     def __enter__(self) -> ServerProcess:
         return self.start() if not self.running else self
