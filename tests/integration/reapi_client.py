@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 
 import blake3
 import grpc
+import pytest
 import zstandard
 from google.rpc import error_details_pb2, status_pb2
+from polling import wait_until
 
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
 
@@ -91,6 +94,52 @@ def write_requests(
 async def iterate(requests: Iterable[bs_pb2.WriteRequest]) -> AsyncIterator[bs_pb2.WriteRequest]:
     for request in requests:
         yield request
+
+
+async def query(stubs, name: str) -> bs_pb2.QueryWriteStatusResponse:
+    return await stubs.bytestream.QueryWriteStatus(bs_pb2.QueryWriteStatusRequest(resource_name=name))
+
+
+async def wait_committed(stubs, name: str, want: int, timeout: float = 20.0) -> bs_pb2.QueryWriteStatusResponse:
+    """Poll QueryWriteStatus until the server has taken `want` bytes (a readiness signal)."""
+
+    async def taken() -> bs_pb2.QueryWriteStatusResponse | None:
+        status = await query(stubs, name)
+        return status if status.committed_size >= want else None
+
+    return await wait_until(taken, timeout, f"{want} bytes committed to {name}")
+
+
+async def write_held_open(
+    stubs,
+    name: str,
+    first: Sequence[bs_pb2.WriteRequest],
+    release: asyncio.Event,
+    rest: Iterable[bs_pb2.WriteRequest] = (),
+):
+    """Start a Write that sends `first`; once the server has taken them, return the call with its
+    stream held open until `release` is set, after which it sends `rest`."""
+
+    async def stream():
+        for request in first:
+            yield request
+        await release.wait()
+        for request in rest:
+            yield request
+
+    call = stubs.bytestream.Write(stream())
+    sent = first[-1].write_offset + len(first[-1].data)
+    status = await wait_committed(stubs, name, sent)
+    assert status.committed_size == sent and not status.complete, status
+    return call
+
+
+async def start_and_break(stubs, requests: Sequence[bs_pb2.WriteRequest], name: str) -> None:
+    """Send `requests`, keep the stream open until the server has them, then cancel the call."""
+    call = await write_held_open(stubs, name, requests, asyncio.Event())
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
 
 
 async def write(stubs, data: bytes, *, instance: str = "", chunk: int = 64 << 10, function: int = SHA256) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 import boto3
 import botocore.config
 import pytest
+from polling import wait_for
 
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -227,18 +228,6 @@ def s3_requests(http_address: str) -> dict[str, float]:
         for (name, labels), value in scrape(http_address).items()
         if name == "buildvault_object_store_requests_total"
     }
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):
-    """Poll `predicate()` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 def wait_drained(http_address: str, timeout: float = 60.0) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -16,8 +15,10 @@ from reapi_client import (
     iterate,
     key,
     missing,
+    query,
     read,
     read_name,
+    start_and_break,
     upload_name,
     write,
     write_compressed,
@@ -27,37 +28,6 @@ from reapi_client import (
 from buildvault.remote_apis import bs_pb2
 
 MiB = 1 << 20
-
-
-async def query(stubs, name: str) -> bs_pb2.QueryWriteStatusResponse:
-    return await stubs.bytestream.QueryWriteStatus(bs_pb2.QueryWriteStatusRequest(resource_name=name))
-
-
-async def wait_committed(stubs, name: str, want: int, timeout: float = 20.0) -> bs_pb2.QueryWriteStatusResponse:
-    """Poll QueryWriteStatus until the server has taken `want` bytes (a readiness signal)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = await query(stubs, name)
-        if status.committed_size >= want or time.monotonic() > deadline:
-            return status
-        await asyncio.sleep(0.02)
-
-
-async def start_and_break(stubs, requests: list[bs_pb2.WriteRequest], sent_bytes: int, name: str) -> None:
-    """Send `requests`, keep the stream open until the server has them, then cancel the call."""
-    release = asyncio.Event()
-
-    async def stream():
-        for request in requests:
-            yield request
-        await release.wait()
-
-    call = stubs.bytestream.Write(stream())
-    status = await wait_committed(stubs, name, sent_bytes)
-    assert status.committed_size == sent_bytes and not status.complete
-    call.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await call
 
 
 # -- Read ---------------------------------------------------------------------------------------
@@ -311,7 +281,7 @@ async def test_resume_after_broken_stream(stubs):
     name = upload_name(d)
     requests = write_requests(name, data, chunk=128 << 10)
     sent = 5 * (128 << 10)
-    await start_and_break(stubs, requests[:5], sent, name)
+    await start_and_break(stubs, requests[:5], name)
     status = await query(stubs, name)
     assert (status.committed_size, status.complete) == (sent, False)
     assert await missing(stubs, [d]) == {key(d)}
@@ -343,7 +313,7 @@ async def test_write_dying_halfway_leaves_nothing(stubs):
     d = digest(data)
     name = upload_name(d)
     requests = write_requests(name, data, chunk=MiB)
-    await start_and_break(stubs, requests[:2], 2 * MiB, name)
+    await start_and_break(stubs, requests[:2], name)
     assert await missing(stubs, [d]) == {key(d)}
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await read(stubs, d)

@@ -14,9 +14,25 @@ import time
 import grpc
 import pytest
 
-from reapi_client import CLIENT_OPTIONS, batch_update, make_stubs, blob, digest, iterate, key, missing, read, upload_name, write, write_requests
+from polling import wait_until
+from reapi_client import (
+    CLIENT_OPTIONS,
+    batch_update,
+    blob,
+    digest,
+    iterate,
+    key,
+    make_stubs,
+    missing,
+    query,
+    read,
+    start_and_break,
+    upload_name,
+    write,
+    write_held_open,
+    write_requests,
+)
 from server_process import ServerProcess
-from test_grpc_bytestream import query, start_and_break, wait_committed
 
 from buildvault.remote_apis import bs_pb2, re_pb2
 
@@ -34,24 +50,6 @@ def tmp_files(server: ServerProcess) -> list[str]:
     return sorted(os.listdir(tmp)) if tmp.exists() else []
 
 
-async def upload_held_open(stubs, name: str, data: bytes, release: asyncio.Event, finish: bool = False):
-    """A Write of `data` in 1 MiB requests: the first two, and once the server has taken them the
-    call is returned with its stream held open until `release` is set; then the rest if `finish`."""
-    requests = write_requests(name, data, chunk=MiB)
-
-    async def stream():
-        for request in requests[:2]:
-            yield request
-        await release.wait()
-        if finish:
-            for request in requests[2:]:
-                yield request
-
-    call = stubs.bytestream.Write(stream())
-    assert (await wait_committed(stubs, name, 2 * MiB)).committed_size == 2 * MiB
-    return call
-
-
 def refuses_connections(address: str) -> bool:
     host, _, port = address.rpartition(":")
     try:
@@ -64,14 +62,13 @@ def refuses_connections(address: str) -> bool:
 async def wait_draining(server: ServerProcess, timeout: float = 20.0) -> None:
     """Until the server has taken the SIGTERM: it said "shutting down" and its gRPC port refuses
     new connections (stop() closed the listener; in-flight calls go on)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        draining = "shutting down" in server.output() and refuses_connections(server.grpc_address)
+
+    def draining() -> bool:
         assert server.running, f"the server exited instead of draining:\n{server.output()}"
-        if draining:
-            return
-        assert time.monotonic() < deadline, f"no sign of draining after {timeout:g}s:\n{server.output()}"
-        await asyncio.sleep(0.01)
+        return "shutting down" in server.output() and refuses_connections(server.grpc_address)
+
+    await wait_until(draining, timeout, "the server to drain", interval=0.01)
+    assert server.running, f"the server exited instead of draining:\n{server.output()}"
 
 
 async def assert_missing_after_start(server: ServerProcess, d) -> None:
@@ -109,7 +106,8 @@ async def test_sigterm_lets_inflight_upload_finish(buildvault_server):
     proceed = asyncio.Event()
     channel, stubs = await connect(buildvault_server.grpc_address)
     async with channel:
-        call = await upload_held_open(stubs, name, data, proceed, finish=True)
+        requests = write_requests(name, data, chunk=MiB)
+        call = await write_held_open(stubs, name, requests[:2], proceed, rest=requests[2:])
         buildvault_server.process.send_signal(15)
         await wait_draining(buildvault_server)  # no new connections; the upload goes on
         proceed.set()
@@ -130,7 +128,7 @@ async def test_shutdown_aborts_unfinished_uploads(buildvault_server):
     channel, stubs = await connect(buildvault_server.grpc_address)
     async with channel:
         # a broken stream: resumable for the grace period, but a shutdown abandons it
-        await start_and_break(stubs, write_requests(name, data, chunk=MiB)[:2], 2 * MiB, name)
+        await start_and_break(stubs, write_requests(name, data, chunk=MiB)[:2], name)
         assert (await query(stubs, name)).committed_size == 2 * MiB
     started = time.monotonic()
     assert buildvault_server.stop() == 0
@@ -150,7 +148,7 @@ async def test_second_signal_cancels_inflight_uploads(buildvault_server):
     hold = asyncio.Event()
     channel, stubs = await connect(buildvault_server.grpc_address)
     async with channel:
-        call = await upload_held_open(stubs, name, data, hold)
+        call = await write_held_open(stubs, name, write_requests(name, data, chunk=MiB)[:2], hold)
         buildvault_server.process.send_signal(15)
         await wait_draining(buildvault_server)  # the first signal's grace period has begun
         started = time.monotonic()
@@ -171,7 +169,7 @@ async def test_killed_server_publishes_nothing_partial(buildvault_server):
     hold = asyncio.Event()
     channel, stubs = await connect(buildvault_server.grpc_address)
     async with channel:
-        call = await upload_held_open(stubs, name, data, hold)
+        call = await write_held_open(stubs, name, write_requests(name, data, chunk=MiB)[:2], hold)
         buildvault_server.kill()
         with pytest.raises(grpc.aio.AioRpcError):
             await call
@@ -252,10 +250,7 @@ async def test_abandoned_upload_expires(app_server):
     assert reply.committed_size == 300_000
     uploads = app_server.app.services.uploads
     assert len(uploads) == 1
-    deadline = time.monotonic() + 10
-    while len(uploads) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert len(uploads) == 0  # the 0.5 s grace passed: aborted
+    await wait_until(lambda: len(uploads) == 0, 10, "the abandoned upload to expire (0.5 s grace)", interval=0.05)
     assert (await query(stubs, name)).committed_size == 0
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stubs.bytestream.Write(iterate(write_requests(name, data, start=300_000)))
@@ -271,18 +266,13 @@ async def test_second_stream_on_an_attached_upload_is_aborted(app_server):
     name = upload_name(digest(data))
     hold = asyncio.Event()
 
-    async def stream():
-        yield write_requests(name, data, finish=False)[0]
-        await hold.wait()
-
     async def second():
         # Only the first request: had the client more to send when the server aborts, grpc could
         # report its own failed send (INTERNAL) instead of the server's status.
         yield write_requests(name, data, start=64 << 10)[0]
         await asyncio.Event().wait()
 
-    call = stubs.bytestream.Write(stream())
-    await wait_committed(stubs, name, 64 << 10)
+    call = await write_held_open(stubs, name, write_requests(name, data, finish=False)[:1], hold)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stubs.bytestream.Write(second())
     assert e.value.code() == grpc.StatusCode.ABORTED

@@ -19,6 +19,7 @@ import time
 import grpc
 import pytest
 
+from polling import wait_for
 from reapi_client import CLIENT_OPTIONS, batch_update, digest, make_stubs, missing, read, read_name, write
 from s3_server import (  # noqa: F401 - fixtures
     aws_env,
@@ -31,7 +32,6 @@ from s3_server import (  # noqa: F401 - fixtures
     s3_requests,
     tier_args,
     wait_drained,
-    wait_for,
 )
 
 from buildvault.remote_apis import bs_pb2, re_pb2
