@@ -9,9 +9,11 @@ wrongly, and accepts a right answer in another order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -38,27 +40,25 @@ def run_harness(*args: str, timeout: float = 240) -> subprocess.CompletedProcess
     )
 
 
+def json_rows(proc: subprocess.CompletedProcess[str]) -> list[dict]:
+    """The harness's one JSON line per scenario."""
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def test_quick_bench_against_buildvault(tmp_path: Path) -> None:
-    server = ServerProcess(tmp_path / "data", http_address="").start()
     out = tmp_path / "results.json"
-    try:
+    with ServerProcess(tmp_path / "data", http_address="") as server:
         proc = run_harness(
             "--target", server.grpc_address, "--quick", "--server-pid", str(server.pid),
             "--label", "buildvault", "--json-out", str(out),
         )
-    finally:
-        try:
-            server.stop()
-        finally:
-            server.kill()
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}\n{server.output()[-3000:]}"
 
     largest = harness.size_label(max(harness.QUICK.bs_sizes))
     expected = [s.name for s in harness.scenarios_for(harness.QUICK)] + [
         "server_rss_peak", f"server_rss_bs_{largest}",
     ]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [row["scenario"] for row in lines] == expected
+    assert [row["scenario"] for row in json_rows(proc)] == expected
     results = json.loads(out.read_text())["results"]
     assert [row["scenario"] for row in results] == expected
     for row in results:
@@ -102,31 +102,31 @@ class Capabilities(re_grpc.CapabilitiesServicer):
         )
 
 
-def test_harness_fails_the_run_on_a_wrong_answer() -> None:
+@contextlib.contextmanager
+def fake_cas(cas: re_grpc.ContentAddressableStorageServicer) -> Iterator[str]:
+    """A gRPC server with `cas` and Capabilities (SHA-256) on loopback; yields its address."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    re_grpc.add_ContentAddressableStorageServicer_to_server(LyingCas(), server)
+    re_grpc.add_ContentAddressableStorageServicer_to_server(cas, server)
     re_grpc.add_CapabilitiesServicer_to_server(Capabilities(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        proc = run_harness("--target", f"127.0.0.1:{port}", "--quick", "--scenarios", "fmb_c1,ac_get_c1", timeout=120)
+        yield f"127.0.0.1:{port}"
     finally:
         server.stop(grace=None)
+
+
+def test_harness_fails_the_run_on_a_wrong_answer() -> None:
+    with fake_cas(LyingCas()) as target:
+        proc = run_harness("--target", target, "--quick", "--scenarios", "fmb_c1,ac_get_c1", timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    rows = {row["scenario"]: row for row in map(json.loads, filter(lambda l: l.startswith("{"), proc.stdout.splitlines()))}
+    rows = {row["scenario"]: row for row in json_rows(proc)}
     assert set(rows) == {"fmb_c1", "ac_get_c1"}
     assert not rows["fmb_c1"]["ok"] and "FindMissingBlobs" in rows["fmb_c1"]["error"]
     assert not rows["ac_get_c1"]["ok"] and "UNIMPLEMENTED" in rows["ac_get_c1"]["error"]
 
 
 def test_harness_accepts_any_order_of_missing_digests() -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    re_grpc.add_ContentAddressableStorageServicer_to_server(ReorderingCas(), server)
-    re_grpc.add_CapabilitiesServicer_to_server(Capabilities(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        proc = run_harness("--target", f"127.0.0.1:{port}", "--quick", "--scenarios", "fmb_*", timeout=120)
-    finally:
-        server.stop(grace=None)
+    with fake_cas(ReorderingCas()) as target:
+        proc = run_harness("--target", target, "--quick", "--scenarios", "fmb_*", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
