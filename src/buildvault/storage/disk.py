@@ -73,6 +73,7 @@ WRITE_BATCH = 1 << 20
 SMALL_OP = WRITE_BATCH
 _TRIP_OPS = 128  # operations per coalesced trip, at most
 _TRIP_BYTES = 8 << 20  # bytes written per coalesced trip, at most
+_OWN_TRIP_BYTES = 256 << 10  # an operation on this many bytes gets a trip of its own (no head-of-line wait)
 # Action entries (a few hundred bytes each) recently written or read are also kept in memory,
 # up to this many bytes, so a GetActionResult hit makes no trip to the worker threads.
 AC_CACHE_BYTES = 4 << 20
@@ -263,7 +264,9 @@ class _Coalescer:
     Each `submit` returns an asyncio future. The first operation queued in a loop iteration
     schedules a flush for the next one; whatever is queued by then (up to _TRIP_OPS operations
     or _TRIP_BYTES bytes per trip) goes to the pool as one work item, and its results come
-    back in one loop wakeup. Operations of one trip run in order; trips run concurrently.
+    back in one loop wakeup. Operations of one trip run in order; trips run concurrently. An
+    operation on _OWN_TRIP_BYTES or more (a whole batch, a large blob) goes at once, in a trip of
+    its own, so small ones never wait behind it.
     """
 
     __slots__ = ("_executor", "_pending", "_bytes")
@@ -276,6 +279,9 @@ class _Coalescer:
     def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], nbytes: int = 0) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        if nbytes >= _OWN_TRIP_BYTES:  # hashing and writing it takes a while: others need not wait for it
+            self._run([(fn, args, future)], loop)
+            return future
         if not self._pending:
             loop.call_soon(self._flush)
         self._pending.append((fn, args, future))
@@ -286,9 +292,10 @@ class _Coalescer:
 
     def _flush(self) -> None:
         ops, self._pending, self._bytes = self._pending, [], 0
-        if not ops:
-            return
-        loop = asyncio.get_running_loop()
+        if ops:
+            self._run(ops, asyncio.get_running_loop())
+
+    def _run(self, ops: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]], loop: asyncio.AbstractEventLoop) -> None:
         try:
             cf = self._executor.submit(_run_ops, ops)
         except RuntimeError as e:  # the pool is shut down: the store is closing
