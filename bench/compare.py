@@ -356,7 +356,19 @@ def write_report(
                   for name in SERVERS for i in range(args.reps)]
         lines.append(f"| {scenario} | " + " | ".join(fmt(v) for v in values) + " |")
     lines += ["", "</details>", ""]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    path.write_text("\n".join(lines) + kept_measurements(path), encoding="utf-8")
+
+
+KEPT_MARKER = "<!-- measurements below are not written by compare.py and are kept -->"
+
+
+def kept_measurements(path: Path) -> str:
+    """Other benchmarks (launcher, disk restart, ...) record their figures below a marker."""
+    if not path.exists():
+        return ""
+    text = path.read_text(encoding="utf-8")
+    at = text.find(KEPT_MARKER)
+    return "\n" + text[at:] if at >= 0 else ""
 
 
 # --------------------------------------------------------------------------------------------
