@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import any_pb2
@@ -37,40 +37,43 @@ _MAX_MESSAGE = 1024
 
 
 class RequestError(Exception):
-    """A request that is wrong at the protocol level (not a storage or digest rule)."""
+    """A request that is wrong at the protocol level (not a storage or digest rule).
+
+    A subclass names its status in its class line: `class X(RequestError, code=..., http=...)`."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
     http = 400
 
-
-class InvalidArgument(RequestError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-    http = 400
-
-
-class OutOfRange(RequestError):
-    code = grpc.StatusCode.OUT_OF_RANGE
-    http = 416
+    def __init_subclass__(cls, *, code: grpc.StatusCode | None = None, http: int | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if http is not None:
+            cls.http = http
 
 
-class FailedPrecondition(RequestError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    http = 412
+class InvalidArgument(RequestError, code=grpc.StatusCode.INVALID_ARGUMENT, http=400):
+    pass
 
 
-class ResourceExhausted(RequestError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    http = 413
+class OutOfRange(RequestError, code=grpc.StatusCode.OUT_OF_RANGE, http=416):
+    pass
 
 
-class Aborted(RequestError):
-    code = grpc.StatusCode.ABORTED
-    http = 409
+class FailedPrecondition(RequestError, code=grpc.StatusCode.FAILED_PRECONDITION, http=412):
+    pass
 
 
-class ServiceUnavailable(RequestError):
-    code = grpc.StatusCode.UNAVAILABLE
-    http = 503
+class ResourceExhausted(RequestError, code=grpc.StatusCode.RESOURCE_EXHAUSTED, http=413):
+    pass
+
+
+class Aborted(RequestError, code=grpc.StatusCode.ABORTED, http=409):
+    pass
+
+
+class ServiceUnavailable(RequestError, code=grpc.StatusCode.UNAVAILABLE, http=503):
+    pass
 
 
 @dataclass(frozen=True)
