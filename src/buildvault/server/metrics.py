@@ -448,15 +448,10 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method, kind = grpc_labels(handler_call_details.method)
-        metrics = self._metrics
-        if handler.unary_unary is not None:
-            return _replace(handler, unary_unary=_wrap_unary_unary(handler.unary_unary, metrics, method, kind))
-        if handler.unary_stream is not None:
-            return _replace(handler, unary_stream=_wrap_unary_stream(handler.unary_stream, metrics, method, kind))
-        if handler.stream_unary is not None:
-            return _replace(handler, stream_unary=_wrap_stream_unary(handler.stream_unary, metrics, method, kind))
-        if handler.stream_stream is not None:
-            return _replace(handler, stream_stream=_wrap_stream_stream(handler.stream_stream, metrics, method, kind))
+        for name, wrap, streaming in _WRAPPERS:
+            behaviour = getattr(handler, name)
+            if behaviour is not None:
+                return _replace(handler, **{name: wrap(behaviour, self._metrics, method, kind, streaming)})
         return handler
 
 
@@ -474,30 +469,43 @@ def _replace(handler: Any, **behaviour: Any) -> Any:
                    response_serializer=handler.response_serializer)  # fmt: skip
 
 
-def _wrap_unary_unary(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
+def _requests(request: Any, call: _Call, streaming: bool) -> Any:
+    """What the handler gets: the request, or the request stream with its messages counted."""
+    return _counting(request, call) if streaming else request
+
+
+def _wrap_unary_response(
+    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str, streaming: bool
+) -> Callable[..., Any]:
+    """unary_unary (streaming=False) and stream_unary (streaming=True) handlers."""
+
     async def wrapper(request: Any, context: Any) -> Any:
         call = _Call(metrics, method, kind)
         try:
-            response = behaviour(request, context)
+            response = behaviour(_requests(request, call, streaming), context)
             if inspect.isawaitable(response):
                 response = await response
         except BaseException as e:
             call.finish(_error_code(context, e))
             raise
         call.response(response)
-        call.finish(_code_of(context, grpc.StatusCode.OK), request, response)
+        call.finish(_code_of(context, grpc.StatusCode.OK), None if streaming else request, response)
         return response
 
     return wrapper
 
 
-def _wrap_unary_stream(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
+def _wrap_stream_response(
+    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str, streaming: bool
+) -> Callable[..., Any]:
+    """unary_stream (streaming=False) and stream_stream (streaming=True) handlers: async generators,
+    or coroutines that write their responses to the context."""
     if inspect.isasyncgenfunction(behaviour):
 
         async def generator(request: Any, context: Any) -> AsyncIterator[Any]:
             call = _Call(metrics, method, kind)
             try:
-                async for response in behaviour(request, context):
+                async for response in behaviour(_requests(request, call, streaming), context):
                     call.response(response)
                     yield response
             except BaseException as e:
@@ -510,7 +518,7 @@ def _wrap_unary_stream(behaviour: Callable[..., Any], metrics: Metrics, method: 
     async def coroutine(request: Any, context: Any) -> Any:
         call = _Call(metrics, method, kind)
         try:
-            result = await behaviour(request, _CountingContext(context, call))
+            result = await behaviour(_requests(request, call, streaming), _CountingContext(context, call))
         except BaseException as e:
             call.finish(_error_code(context, e))
             raise
@@ -544,44 +552,10 @@ def _counting(iterator: Any, call: _Call) -> AsyncIterator[Any]:
     return requests()
 
 
-def _wrap_stream_unary(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
-    async def wrapper(request_iterator: Any, context: Any) -> Any:
-        call = _Call(metrics, method, kind)
-        try:
-            response = await behaviour(_counting(request_iterator, call), context)
-        except BaseException as e:
-            call.finish(_error_code(context, e))
-            raise
-        call.finish(_code_of(context, grpc.StatusCode.OK), None, response)
-        return response
-
-    return wrapper
-
-
-def _wrap_stream_stream(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
-    if inspect.isasyncgenfunction(behaviour):
-
-        async def generator(request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-            call = _Call(metrics, method, kind)
-            try:
-                async for response in behaviour(_counting(request_iterator, call), context):
-                    call.response(response)
-                    yield response
-            except BaseException as e:
-                call.finish(_error_code(context, e))
-                raise
-            call.finish(_code_of(context, grpc.StatusCode.OK))
-
-        return generator
-
-    async def coroutine(request_iterator: Any, context: Any) -> Any:
-        call = _Call(metrics, method, kind)
-        try:
-            result = await behaviour(_counting(request_iterator, call), _CountingContext(context, call))
-        except BaseException as e:
-            call.finish(_error_code(context, e))
-            raise
-        call.finish(_code_of(context, grpc.StatusCode.OK))
-        return result
-
-    return coroutine
+# The handler attribute, the wrapper for it, and whether its requests come as a stream.
+_WRAPPERS = (
+    ("unary_unary", _wrap_unary_response, False),
+    ("unary_stream", _wrap_stream_response, False),
+    ("stream_unary", _wrap_unary_response, True),
+    ("stream_stream", _wrap_stream_response, True),
+)
