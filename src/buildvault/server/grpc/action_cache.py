@@ -11,6 +11,14 @@ from buildvault.remote_apis import re_pb2
 from buildvault.server.grpc import rpc
 
 
+def _action(request: re_pb2.GetActionResultRequest | re_pb2.UpdateActionResultRequest) -> tuple[str, Digest]:
+    """The request's instance name and action digest, both checked (and noted in the request log)."""
+    instance_name = verify_instance_name(request.instance_name)
+    digest = Digest.from_proto(request.action_digest, DigestFunction.from_wire(request.digest_function))
+    logs.note(instance=instance_name, action=str(digest))
+    return instance_name, digest
+
+
 class ActionCacheService:
     """build.bazel.remote.execution.v2.ActionCache."""
 
@@ -21,10 +29,7 @@ class ActionCacheService:
     async def GetActionResult(
         self, request: re_pb2.GetActionResultRequest, context: grpc.aio.ServicerContext
     ) -> re_pb2.ActionResult:
-        instance_name = verify_instance_name(request.instance_name)
-        function = DigestFunction.from_wire(request.digest_function)
-        digest = Digest.from_proto(request.action_digest, function)
-        logs.note(instance=instance_name, action=str(digest))
+        instance_name, digest = _action(request)
         return await self.cache.get(
             instance_name,
             digest,
@@ -37,8 +42,5 @@ class ActionCacheService:
     async def UpdateActionResult(
         self, request: re_pb2.UpdateActionResultRequest, context: grpc.aio.ServicerContext
     ) -> re_pb2.ActionResult:
-        instance_name = verify_instance_name(request.instance_name)
-        function = DigestFunction.from_wire(request.digest_function)
-        digest = Digest.from_proto(request.action_digest, function)
-        logs.note(instance=instance_name, action=str(digest))
+        instance_name, digest = _action(request)
         return await self.cache.update(instance_name, digest, request.action_result)
