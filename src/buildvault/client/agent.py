@@ -579,14 +579,7 @@ def _log_event(env: dict, p: Prepared, req: dict, reply: dict) -> None:
         "ts": round(time.time(), 3),
     }
     line = json.dumps(event, separators=(",", ":")) + "\n"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    protocol.append_line(path, line)
 
 
 def _alive(socket_path: str) -> bool:

@@ -264,14 +264,7 @@ def _log(event: dict) -> None:
         return
     event["ts"] = round(time.time(), 3)
     line = _json(event) + "\n"
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    protocol.append_line(path, line)
 
 
 def _source_of(argv: list[str]) -> str | None:

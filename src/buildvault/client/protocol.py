@@ -15,6 +15,9 @@ directory, so only the same user can talk to the agent.
                 the compile's event-log line itself: "agent_logs")
     control: {"op": "ping"} -> {"op": "pong", "pid"}; {"op": "flush"} waits for uploads;
              {"op": "stop"} flushes and exits.
+
+Both ends also write the event log (BUILDVAULT_EVENT_LOG), one JSON line per compile:
+`append_line`.
 """
 
 from __future__ import annotations
@@ -68,3 +71,16 @@ def agent_dir() -> str:
     if runtime and os.path.isdir(runtime):
         return os.path.join(runtime, "buildvault-cc")
     return f"/tmp/buildvault-cc-{os.getuid()}"
+
+
+def append_line(path: str, line: str) -> None:
+    """Append `line` to the event log at `path` in one write (O_APPEND: the lines of concurrent
+    compiles stay whole). A log that cannot be written is left out: it never fails a compile."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
