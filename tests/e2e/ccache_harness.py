@@ -157,6 +157,31 @@ class CcacheProject:
     def run_binary(self) -> subprocess.CompletedProcess[str]:
         return self._run([str(self.build_dir / EXECUTABLE)])
 
+    def build_cold(self) -> dict[str, int]:
+        """A first build against an empty remote: every compile is a miss that writes its result and
+        its manifest, nothing fails, the binary runs. Returns the stats."""
+        self.build()
+        stats = self.stats()
+        assert stats["cache_miss"] == TRANSLATION_UNITS, self.show_stats()
+        assert stats["remote_storage_write"] == 2 * TRANSLATION_UNITS, self.show_stats()
+        assert stats["remote_storage_error"] == 0, self.show_stats()
+        assert self.run_binary().stdout == EXPECTED_OUTPUT + "\n"
+        return stats
+
+    def rebuild_all_remote_hits(self) -> dict[str, int]:
+        """``ccache -C`` (the local cache only), zeroed stats and a build from a deleted build dir:
+        every compile is a remote hit (direct mode), the binary runs. Returns the stats."""
+        self.clear_local()
+        self.zero_stats()
+        self.build(fresh=True)
+        stats = self.stats()
+        assert stats["remote_storage_hit"] == TRANSLATION_UNITS, self.show_stats()
+        assert stats["direct_cache_hit"] == TRANSLATION_UNITS, self.show_stats()
+        assert stats["cache_miss"] == 0 and stats["local_storage_hit"] == 0, self.show_stats()
+        assert stats["remote_storage_error"] == 0 and stats["remote_storage_miss"] == 0, self.show_stats()
+        assert self.run_binary().stdout == EXPECTED_OUTPUT + "\n"
+        return stats
+
     # -- ccache state --------------------------------------------------------
     def clear_local(self) -> None:
         """``ccache -C``: empties the local cache only (remote storage untouched)."""

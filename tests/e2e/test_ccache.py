@@ -11,22 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from ccache_harness import EXPECTED_OUTPUT, TRANSLATION_UNITS
+from ccache_harness import TRANSLATION_UNITS
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _rebuild_all_remote_hits(project) -> dict[str, int]:
-    project.clear_local()  # ccache -C: local cache only
-    project.zero_stats()
-    project.build(fresh=True)  # deletes the build dir first
-    stats = project.stats()
-    assert stats["remote_storage_hit"] == TRANSLATION_UNITS, project.show_stats()
-    assert stats["direct_cache_hit"] == TRANSLATION_UNITS
-    assert stats["cache_miss"] == 0 and stats["local_storage_hit"] == 0, project.show_stats()
-    assert stats["remote_storage_error"] == 0 and stats["remote_storage_miss"] == 0
-    assert project.run_binary().stdout == EXPECTED_OUTPUT + "\n"
-    return stats
 
 
 @pytest.mark.parametrize("layout", ["bazel", "subdirs", "flat"])
@@ -34,17 +21,12 @@ def test_ccache_remote_storage_clean_rebuild_is_all_remote_hits(ccache_project_f
     remote = f"http://{server.http_address}/ccache|layout={layout}"
     project = ccache_project_factory("a", remote_storage=remote)
 
-    project.build()
-    cold = project.stats()
-    assert cold["cache_miss"] == TRANSLATION_UNITS, project.show_stats()
-    assert cold["remote_storage_write"] == 2 * TRANSLATION_UNITS  # a result and a manifest per compile
-    assert cold["remote_storage_error"] == 0, project.show_stats()
-    assert project.run_binary().stdout == EXPECTED_OUTPUT + "\n"
+    project.build_cold()
     status = server.status()
     assert status["ac_entries"] == 2 * TRANSLATION_UNITS
     assert status["ac_misses_by_protocol"]["http"] == 2 * TRANSLATION_UNITS
 
-    _rebuild_all_remote_hits(project)
+    project.rebuild_all_remote_hits()
     assert server.status()["ac_hits_by_protocol"]["http"] == 2 * TRANSLATION_UNITS
 
     # A copy of the project elsewhere, with its own empty local cache, hits too.
@@ -76,7 +58,7 @@ def test_ccache_default_layout_is_subdirs(ccache_project_factory, server):
     remote = f"http://{server.http_address}/default"
     project = ccache_project_factory("a", remote_storage=remote)
     project.build()
-    _rebuild_all_remote_hits(project)
+    project.rebuild_all_remote_hits()
     explicit = ccache_project_factory("b", remote_storage=f"{remote}|layout=subdirs")
     explicit.build()
     assert explicit.stats()["remote_storage_hit"] == TRANSLATION_UNITS, explicit.show_stats()
