@@ -95,7 +95,9 @@ class ServerProcess:
             start_new_session=True,
         )
         self.starts += 1
-        self._reader = threading.Thread(target=self._read_output, args=(self.process,), daemon=True)
+        # The reader gets this start's event: the reader of a killed process, still draining
+        # its pipe, must not mark the next start ready.
+        self._reader = threading.Thread(target=self._read_output, args=(self.process, self._ready), daemon=True)
         self._reader.start()
         if not self._ready.wait(timeout) or self.grpc_address is None and self.http_address is None:
             code = self.process.poll()
@@ -105,7 +107,7 @@ class ServerProcess:
             )
         return self
 
-    def _read_output(self, process: subprocess.Popen[str]) -> None:
+    def _read_output(self, process: subprocess.Popen[str], ready: threading.Event) -> None:
         assert process.stdout is not None
         with open(self.log_path, "a", encoding="utf-8") as log:
             log.write(f"--- start #{self.starts}: {' '.join(self.command())}\n")
@@ -113,15 +115,15 @@ class ServerProcess:
                 log.write(line)
                 log.flush()
                 self._lines.append(line)
-                if line.startswith(READY_PREFIX) and not self._ready.is_set():
+                if line.startswith(READY_PREFIX) and not ready.is_set():
                     for name, value in _ADDRESS.findall(line):
                         address = None if value == "off" else value
                         if name == "grpc":
                             self.grpc_address = address
                         else:
                             self.http_address = address
-                    self._ready.set()
-        self._ready.set()  # exited: unblock start()
+                    ready.set()
+        ready.set()  # exited: unblock start()
 
     def stop(self, timeout: float = 60.0, sig: int = signal.SIGTERM) -> int | None:
         """Signal the server and wait for it to exit; returns its exit code (None if not running)."""
@@ -144,6 +146,8 @@ class ServerProcess:
         if process is not None and process.poll() is None:
             process.kill()
             process.wait(10)
+        if self._reader is not None:
+            self._reader.join(5)  # the output is complete
 
     def restart(self, same_ports: bool = True, timeout: float = START_TIMEOUT) -> ServerProcess:
         """Stop cleanly and start again on the same data dir (and, by default, the same ports)."""
