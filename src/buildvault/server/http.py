@@ -807,6 +807,10 @@ class HttpListener:
         for site in list(runner.sites):
             await site.stop()
         if runner.server is not None:
+            # An idle keep-alive connection would hold the whole grace period: close each
+            # connection now (a busy one closes once its request is answered).
+            for connection in list(runner.server.connections):
+                connection.close()
             await runner.server.shutdown(max(grace, 0.0))
         await runner.cleanup()
         self._runner = None
