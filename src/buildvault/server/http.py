@@ -35,7 +35,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from aiohttp import web
 
 from buildvault import logs
 from buildvault.actions import ActionCache, InvalidActionResult
+from buildvault.compression import OFFLOAD_BYTES, zstd_compress_stream
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, verify_instance_name
 from buildvault.remote_apis import re_pb2
 from buildvault.server.errors import http_status, is_internal
@@ -65,8 +66,6 @@ __all__ = [
 # memory whole. ccache result entries embed the object file, so leave room for big ones.
 DEFAULT_MAX_ENTRY_SIZE = 128 << 20
 # Compress/decompress chunks at least this big in a worker thread (rule: never block the loop).
-_THREAD_THRESHOLD = 256 << 10
-ZSTD_LEVEL = 1  # what bazel-remote uses: cheap, most of the gain
 ALLOWED_METHODS = "GET, HEAD, PUT"
 _PATH_CHARS = re.compile(r"[A-Za-z0-9_.\-/]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -186,12 +185,6 @@ def _content_encoding(request: web.Request) -> str:
     raise _HttpError(415, f"unsupported Content-Encoding {encoding[:32]!r}: send identity or zstd")
 
 
-async def _maybe_thread(fn: Callable[[bytes], bytes], data: bytes) -> bytes:
-    if len(data) >= _THREAD_THRESHOLD:
-        return await asyncio.to_thread(fn, data)
-    return fn(data)
-
-
 async def _aclose(iterator: Any) -> None:
     close = getattr(iterator, "aclose", None)
     if close is not None:
@@ -295,7 +288,7 @@ class HttpCache:
             body: AsyncIterator[bytes] = chunks
             if _accepts_zstd(request):
                 response.headers["Content-Encoding"] = "zstd"
-                body = _compressed(chunks, zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=size))
+                body = zstd_compress_stream(chunks, size)
             else:
                 response.content_length = size
             await response.prepare(request)
@@ -495,16 +488,6 @@ async def _chain(first: bytes, rest: AsyncIterable[bytes]) -> AsyncIterator[byte
         yield chunk
 
 
-async def _compressed(chunks: AsyncIterable[bytes], compressor: Any) -> AsyncIterator[bytes]:
-    async for chunk in chunks:
-        out = await _maybe_thread(compressor.compress, chunk)
-        if out:
-            yield out
-    tail = compressor.flush()
-    if tail:
-        yield tail
-
-
 # zstd can expand one 4-byte block to 128 KiB: feed the decompressor small slices of input so
 # one call never produces more than ~32 MiB, and hand output on in CHUNK_SIZE pieces.
 _ZSTD_SLICE = 1024
@@ -558,7 +541,7 @@ async def _decompressed(chunks: AsyncIterable[bytes], limit: int) -> AsyncIterat
     async for chunk in chunks:
         view, pos = memoryview(chunk), 0
         while pos < len(view):
-            if len(view) - pos >= _THREAD_THRESHOLD:
+            if len(view) - pos >= OFFLOAD_BYTES:
                 out, pos = await asyncio.to_thread(stream.step, view, pos)
             else:
                 out, pos = stream.step(view, pos)

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import grpc
 import zstandard
 
+from buildvault.compression import ZSTD_LEVEL, offload
+
 from buildvault import logs
 from buildvault.server import errors
 from buildvault.storage import DigestMismatch
@@ -103,17 +105,6 @@ def _peer(context: grpc.aio.ServicerContext) -> str | None:
 
 # -- zstd, shared by CAS batches and ByteStream -------------------------------------------------
 
-# Work on at least this many bytes goes to a worker thread (zstd releases the GIL); smaller
-# pieces are cheaper to do in place than to hand over.
-OFFLOAD_BYTES = 256 << 10
-ZSTD_LEVEL = 1
-
-
-async def offload(fn: Callable[..., Any], data: bytes, *args: Any) -> Any:
-    """`fn(data, *args)`, in a worker thread when `data` is big enough to be worth the hop."""
-    if len(data) >= OFFLOAD_BYTES:
-        return await asyncio.to_thread(fn, data, *args)
-    return fn(data, *args)
 
 
 def zstd_compress(data: bytes) -> bytes:
@@ -171,13 +162,3 @@ async def zstd_decompress_stream(chunks: Any, size: int) -> Any:
         raise errors.InvalidArgument(f"invalid zstd data: {e}") from None
 
 
-async def zstd_compress_stream(chunks: Any, size: int) -> Any:
-    """Async-iterate a zstd frame (content size `size` in its header) of the bytes `chunks` yields."""
-    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=size)
-    async for chunk in chunks:
-        out = await offload(compressor.compress, chunk)
-        for start in range(0, len(out), READ_CHUNK_SIZE):
-            yield out[start : start + READ_CHUNK_SIZE]
-    out = compressor.flush()
-    for start in range(0, len(out), READ_CHUNK_SIZE):
-        yield out[start : start + READ_CHUNK_SIZE]

@@ -29,7 +29,8 @@ from buildvault.actions import find_missing, is_empty
 from buildvault.digest import ResourceName, parse_read_resource, parse_write_resource
 from buildvault.remote_apis import bs_pb2
 from buildvault.server import errors
-from buildvault.server.grpc import READ_CHUNK_SIZE, rpc, zstd_compress_stream, zstd_decompress_stream
+from buildvault.compression import zstd_compress_stream
+from buildvault.server.grpc import READ_CHUNK_SIZE, rpc, zstd_decompress_stream
 from buildvault.storage import BlobStore, InvalidRange, StorageError
 
 log = logging.getLogger("buildvault.bytestream")
