@@ -68,6 +68,25 @@ _INSTANCE_SEGMENT = re.compile(r"[A-Za-z0-9_.\-]+")
 SUPPORTED_COMPRESSORS = frozenset({"zstd"})
 
 
+_HEX_DIGITS = b"0123456789abcdef"
+
+
+def is_hash(text: str) -> bool:
+    """`text` is a well-formed hash: HASH_HEX_LENGTH lowercase hex digits."""
+    return _HEX.fullmatch(text) is not None
+
+
+def all_hashes(hashes: list[str]) -> bool:
+    """Every item is a well-formed hash; one bytes.translate over all of them (FindMissingBlobs
+    of 1,000 digests: far faster than a regex each)."""
+    if any(len(h) != HASH_HEX_LENGTH for h in hashes):
+        return False
+    try:
+        return not "".join(hashes).encode("ascii").translate(None, _HEX_DIGITS)
+    except UnicodeEncodeError:
+        return False
+
+
 def new_hasher(function: DigestFunction) -> Hasher:
     if function is DigestFunction.BLAKE3:
         return blake3.blake3(max_threads=1)

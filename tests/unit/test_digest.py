@@ -120,3 +120,15 @@ def test_plain_instance_names_are_accepted(name):
 def test_instance_names_that_could_escape_or_confuse_are_rejected(name):
     with pytest.raises(InvalidDigest):
         verify_instance_name(name)
+
+
+def test_bulk_hash_check_agrees_with_the_single_one():
+    from buildvault.digest import all_hashes, is_hash
+
+    good = [H, "0" * 64, Digest.of(b"x").hash]
+    assert all_hashes(good) and all(map(is_hash, good))
+    for bad in (H.upper(), H[:-1], H + "0", "g" * 64, "é" * 64):
+        assert not is_hash(bad)
+        assert not all_hashes(good + [bad])
+    # lengths that add up right but are split wrongly are still caught
+    assert not all_hashes([H[:-1], H + "a"])

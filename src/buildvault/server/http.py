@@ -46,7 +46,7 @@ from aiohttp import web
 from buildvault import logs
 from buildvault.actions import ActionCache, InvalidActionResult
 from buildvault.compression import OFFLOAD_BYTES, zstd_compress_stream
-from buildvault.digest import Digest, DigestFunction, InvalidDigest, verify_instance_name
+from buildvault.digest import Digest, DigestFunction, InvalidDigest, is_hash, verify_instance_name
 from buildvault.remote_apis import re_pb2
 from buildvault.server.errors import http_status, is_internal
 from buildvault.server.metrics import Metrics, http_method_label
@@ -68,7 +68,6 @@ DEFAULT_MAX_ENTRY_SIZE = 128 << 20
 # Compress/decompress chunks at least this big in a worker thread (rule: never block the loop).
 ALLOWED_METHODS = "GET, HEAD, PUT"
 _PATH_CHARS = re.compile(r"[A-Za-z0-9_.\-/]*")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 # ccache 4.x keys: 20 bytes written as 4 hex digits + 29 base32hex digits (33 characters).
 _CCACHE_SUBDIR = re.compile(r"[0-9a-f]{2}")
 _CCACHE_REST = re.compile(r"[0-9a-f]{2}[0-9a-v]{29}")
@@ -121,7 +120,7 @@ def parse_cache_path(raw_path: str) -> CachePath:
     segments = raw_path[1:].split("/")
     last = segments[-1]
     if len(segments) >= 2 and segments[-2] in ("ac", "cas") and len(last) == 64:
-        if not _SHA256.fullmatch(last):
+        if not is_hash(last):
             raise InvalidDigest(f"invalid SHA-256 hash {last!r}: want 64 lowercase hex digits")
         return CachePath(verify_instance_name("/".join(segments[:-2])), segments[-2], last)
     if len(segments) >= 2 and _CCACHE_SUBDIR.fullmatch(segments[-2]) and _CCACHE_REST.fullmatch(last):
