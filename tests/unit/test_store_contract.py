@@ -229,9 +229,7 @@ async def test_disk_lookup_finds_blobs_stored_before_a_restart(tmp_path: Path) -
 
 
 async def test_batches_of_whole_blobs(store: BlobStore) -> None:
-    """storage.read_blobs / write_blobs: the store's own batch methods where it has them (disk)."""
-    from buildvault.storage import read_blobs, write_blobs
-
+    """read_blobs / write_blobs: one call per batch, each blob's own outcome."""
     small, other, big = os.urandom(4000), os.urandom(10), os.urandom(CHUNK_SIZE + 3)
     stored = os.urandom(77)
     await store.write(Digest.of(stored), chunked(stored))
@@ -243,11 +241,11 @@ async def test_batches_of_whole_blobs(store: BlobStore) -> None:
         (Digest.of(stored), stored),  # already stored
         (Digest.of(b"short"), b"shor"),  # size mismatch
     ]
-    outcomes = await write_blobs(store, items)
+    outcomes = await store.write_blobs(items)
     assert [type(o).__name__ if o else None for o in outcomes] == [
         None, "DigestMismatch", "DigestMismatch", None, None, "DigestMismatch"
     ]
-    results = await read_blobs(store, [Digest.of(small), Digest.of(other), Digest.of(big), Digest.of(stored)])
+    results = await store.read_blobs([Digest.of(small), Digest.of(other), Digest.of(big), Digest.of(stored)])
     assert results[0] == small and isinstance(results[1], NotFound)
     assert results[2] == big and results[3] == stored
     assert await store.find_missing([d for d, _ in items]) == [Digest.of(other), Digest.of(b"short")]

@@ -15,9 +15,10 @@ Contracts every implementation keeps:
   from the store's own index: a blob stored before a restart, or by another front end, is found.
 - Errors are the classes below; adapters map them to protocol status codes in one place.
 
-Batches: `read_blobs(store, digests)` and `write_blobs(store, items)` below use a store's own
-`read_blobs` / `write_blobs` when it has them (the disk store does the small ones in one trip to
-its worker threads), and otherwise call `read` / `write` per blob, concurrently.
+Batch paths (`find_missing_indices`, `read_blobs`, `write_blobs`) are part of the protocol: a
+request makes one store call whatever the stack. A store without a faster way implements them
+with the `*_by_digests` / `*_one_by_one` helpers below; a decorator forwards them
+(storage.decorator.ForwardingBlobStore) unless it changes them.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ __all__ = [
     "StorageFull",
     "Unavailable",
     "ac_namespace",
-    "read_blobs",
-    "write_blobs",
+    "find_missing_indices_by_digests",
+    "read_blobs_one_by_one",
+    "single_chunk",
+    "write_blobs_one_by_one",
     "CHUNK_SIZE",
 ]
 
@@ -80,16 +83,34 @@ class Unavailable(StorageError):
 
 @runtime_checkable
 class BlobStore(Protocol):
+    """The CAS. Every method a front end uses is here, batch paths included: a decorator that
+    does not change a method forwards it (storage.decorator), so no fast path is lost under it."""
+
     async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
         """The subset of `digests` not stored, in input order, without duplicates."""
+        ...
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        """FindMissingBlobs without Digest objects: the indices i (ascending, each once even if the
+        digest repeats) whose blob (hashes[i], sizes[i]) is not stored. Inputs are already validated."""
         ...
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
         """Raise NotFound now, or return an iterator over bytes [offset, offset+limit) (limit 0: to the end)."""
         ...
 
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        """Whole (small) blobs, one call per batch: for each digest its bytes or the error reading it raised."""
+        ...
+
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
         """Store the blob whose bytes `chunks` yields; raise DigestMismatch if they do not match."""
+        ...
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """Store whole (small) blobs, one call per batch: for each None, or the error writing it raised."""
         ...
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
@@ -114,11 +135,23 @@ def ac_namespace(instance_name: str, kind: str = "ac") -> str:
     return f"{kind}/{instance_name}" if instance_name else kind
 
 
-async def read_blobs(store: BlobStore, digests: Sequence[Digest]) -> list[bytes | Exception]:
-    """Whole (small) blobs: for each digest its bytes, or the error reading it raised."""
-    many = getattr(store, "read_blobs", None)
-    if many is not None:
-        return await many(digests)
+async def find_missing_indices_by_digests(
+    store: BlobStore, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+) -> list[int]:
+    """`find_missing_indices` for a store whose natural question is `find_missing`."""
+    digests = [Digest(h, s, function) for h, s in zip(hashes, sizes)]
+    absent = set(await store.find_missing(digests))
+    seen: set[Digest] = set()
+    out: list[int] = []
+    for i, digest in enumerate(digests):
+        if digest in absent and digest not in seen:
+            out.append(i)
+        seen.add(digest)
+    return out
+
+
+async def read_blobs_one_by_one(store: BlobStore, digests: Sequence[Digest]) -> list[bytes | Exception]:
+    """`read_blobs` for a store with no batch path of its own: `read` per blob, concurrently."""
 
     async def one(digest: Digest) -> bytes | Exception:
         try:
@@ -131,20 +164,19 @@ async def read_blobs(store: BlobStore, digests: Sequence[Digest]) -> list[bytes 
     return list(await asyncio.gather(*(one(d) for d in digests)))
 
 
-async def write_blobs(store: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-    """Store whole (small) blobs: for each None, or the error writing it raised."""
-    many = getattr(store, "write_blobs", None)
-    if many is not None:
-        return await many(items)
+async def write_blobs_one_by_one(store: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+    """`write_blobs` for a store with no batch path of its own: `write` per blob, concurrently."""
 
     async def one(digest: Digest, data: bytes) -> Exception | None:
-        async def single() -> AsyncIterator[bytes]:
-            yield data
-
         try:
-            await store.write(digest, single())
+            await store.write(digest, single_chunk(data))
             return None
         except Exception as e:  # noqa: BLE001 - that blob's outcome
             return e
 
     return list(await asyncio.gather(*(one(d, data) for d, data in items)))
+
+
+async def single_chunk(data: bytes) -> AsyncIterator[bytes]:
+    """An async iterator yielding `data` once (a whole small blob as a write stream)."""
+    yield data

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from buildvault.digest import Digest, DigestFunction, new_hasher
+from buildvault.storage import find_missing_indices_by_digests, read_blobs_one_by_one, write_blobs_one_by_one
 from buildvault.storage import CHUNK_SIZE, CapacityExceeded, DigestMismatch, InvalidRange, NotFound
 
 
@@ -68,6 +69,17 @@ class MemoryBlobStore:
         if self._max_size is not None and digest.size_bytes > self._max_size:
             raise CapacityExceeded(f"blob {digest} is larger than the store's {self._max_size} bytes")
         self._blobs[digest.key] = await collect_verified(digest, chunks)
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        return await find_missing_indices_by_digests(self, function, hashes, sizes)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        return await read_blobs_one_by_one(self, digests)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await write_blobs_one_by_one(self, items)
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         data = self._blobs.get(f"{function.label}/{hash}")

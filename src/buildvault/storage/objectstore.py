@@ -43,6 +43,7 @@ import botocore.config
 import botocore.exceptions
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
+from buildvault.storage import find_missing_indices_by_digests, read_blobs_one_by_one, write_blobs_one_by_one
 from buildvault.storage import (
     CHUNK_SIZE,
     DigestMismatch,
@@ -345,6 +346,17 @@ class ObjectStore:
             self._corrupt(f"blob {digest}: object has {size} bytes")
             return False
         return True
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        return await find_missing_indices_by_digests(self, function, hashes, sizes)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        return await read_blobs_one_by_one(self, digests)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await write_blobs_one_by_one(self, items)
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         """HEAD the blob's key (keys carry no size): the object's size is the blob's."""

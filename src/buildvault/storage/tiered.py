@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from buildvault.digest import Digest, DigestFunction
+from buildvault.storage import find_missing_indices_by_digests, read_blobs_one_by_one, write_blobs_one_by_one
 from buildvault.storage import (
     ActionStore,
     BlobStore,
@@ -297,6 +298,17 @@ class TieredBlobStore:
                 future = self._heads_in_flight.pop(digest, None)
                 if future is not None and not future.done():
                     future.set_result(None)
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        return await find_missing_indices_by_digests(self, function, hashes, sizes)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        return await read_blobs_one_by_one(self, digests)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await write_blobs_one_by_one(self, items)
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         """By hash alone: the fast tier's index, then the bucket (a HEAD gives the size).

@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from buildvault import logs
-from buildvault.actions import find_missing, is_empty, read_blob
+from buildvault.actions import is_empty, read_blob
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, all_hashes, verify_instance_name
 from buildvault.remote_apis import re_pb2
 from buildvault.server import errors
@@ -25,7 +25,7 @@ from buildvault.server.grpc import (
     zstd_compress,
     zstd_decompress,
 )
-from buildvault.storage import BlobStore, NotFound, read_blobs, write_blobs
+from buildvault.storage import BlobStore, NotFound
 
 IDENTITY = re_pb2.Compressor.IDENTITY
 ZSTD = re_pb2.Compressor.ZSTD
@@ -90,20 +90,10 @@ class CasService:
     ) -> re_pb2.FindMissingBlobsResponse:
         verify_instance_name(request.instance_name)
         function = DigestFunction.from_wire(request.digest_function)
-        by_fields = getattr(self.blobs, "find_missing_indices", None)
-        if by_fields is None:
-            digests = parse_digests(request.blob_digests, function)
-            missing = await find_missing(self.blobs, digests)
-            logs.note(digests=len(digests), missing=len(missing))
-            response = re_pb2.FindMissingBlobsResponse()
-            add = response.missing_blob_digests.add
-            for digest in missing:
-                add(hash=digest.hash, size_bytes=digest.size_bytes)
-            return response
-        # The hot path (the disk store): no Digest objects; the reply echoes the request's messages.
+        # No Digest objects on the hot path; the reply echoes the request's messages.
         messages = request.blob_digests
         hashes, sizes = _fields(messages, function)
-        absent = await by_fields(function, hashes, sizes)
+        absent = await self.blobs.find_missing_indices(function, hashes, sizes)
         if absent and 0 in sizes:  # the empty blob is always present
             absent = [i for i in absent if not is_empty(Digest(hashes[i], sizes[i], function))]
         logs.note(digests=len(hashes), missing=len(absent))
@@ -131,7 +121,7 @@ class CasService:
                 where.append(i)
             except Exception as exc:  # noqa: BLE001 - per-blob status
                 outcomes[i] = exc
-        for i, outcome in zip(where, await write_blobs(self.blobs, items)):  # one store call for the batch
+        for i, outcome in zip(where, await self.blobs.write_blobs(items)):  # one store call for the batch
             outcomes[i] = outcome
         failed = 0
         response = re_pb2.BatchUpdateBlobsResponse()
@@ -190,7 +180,7 @@ class CasService:
             if digest.size_bytes or not is_empty(digest):  # the empty blob is always present, stored or not
                 wanted.append(digest)
                 where.append(i)
-        for i, outcome in zip(where, await read_blobs(self.blobs, wanted)):  # one store call for the batch
+        for i, outcome in zip(where, await self.blobs.read_blobs(wanted)):  # one store call for the batch
             outcomes[i] = outcome
         logs.note(blobs=len(messages), bytes=total)
         response = re_pb2.BatchReadBlobsResponse()
