@@ -12,7 +12,7 @@ from buildvault.digest import Digest
 from buildvault.storage.disk import DiskStorage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from polling import wait_until  # noqa: E402  (tests/integration/polling.py: waits with deadlines)
+from polling import wait_until
 
 __all__ = [
     "assert_consistent",

@@ -39,8 +39,17 @@ async def test_writes_are_not_fsynced_one_by_one(tmp_path: Path, monkeypatch: py
     storage = await DiskStorage.open(tmp_path, 1 << 30)
     events: list[str] = []
     fsync, syncfs = os.fsync, durability.syncfs
-    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), fsync(fd))[1])
-    monkeypatch.setattr(durability, "syncfs", lambda fd: (events.append("syncfs"), syncfs(fd))[1])
+
+    def logged_fsync(fd: int) -> None:
+        events.append("fsync")
+        fsync(fd)
+
+    def logged_syncfs(fd: int) -> None:
+        events.append("syncfs")
+        syncfs(fd)
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(durability, "syncfs", logged_syncfs)
     await storage.cas.write(Digest.of(b"durable"), chunked(b"durable"))
     big = os.urandom(2 << 20)
     await storage.cas.write(Digest.of(big), chunked(big))
@@ -60,7 +69,12 @@ async def test_writes_are_not_fsynced_one_by_one(tmp_path: Path, monkeypatch: py
 async def test_the_syncer_runs_only_after_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     syncfs = durability.syncfs
-    monkeypatch.setattr(durability, "syncfs", lambda fd: (calls.append(fd), syncfs(fd))[1])
+
+    def logged_syncfs(fd: int) -> None:
+        calls.append(fd)
+        syncfs(fd)
+
+    monkeypatch.setattr(durability, "syncfs", logged_syncfs)
     storage = await DiskStorage.open(tmp_path, 1 << 20, sync_interval=0.02)
     calls.clear()  # open() makes one sync point
     rounds = storage.sync_rounds
@@ -311,7 +325,9 @@ async def test_recently_changed_dirs_are_not_trusted(tmp_path: Path) -> None:
     await storage.close()
 
 
-async def test_changes_during_a_checkpoint_mark_their_dirs_untrusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_changes_during_a_checkpoint_mark_their_dirs_untrusted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The keys are copied first, the directory times read later: whatever changed in between
     (here a write and the eviction it causes) must not be trusted at the next start."""
     monkeypatch.setattr(layout, "RACY_NS", 0)

@@ -28,7 +28,7 @@ def _run_ops(ops: list[_Op]) -> list[tuple[bool, Any]]:
     for fn, args, _future in ops:
         try:
             results.append((True, fn(*args)))
-        except Exception as e:  # noqa: BLE001 - delivered to that operation's caller
+        except Exception as e:  # delivered to that operation's caller
             results.append((False, e))
     return results
 
@@ -36,9 +36,9 @@ def _run_ops(ops: list[_Op]) -> list[tuple[bool, Any]]:
 def _deliver(ops: list[_Op], cf: concurrent.futures.Future[Any]) -> None:
     try:
         results = cf.result()
-    except BaseException as e:  # noqa: BLE001 - _run_ops itself failed (MemoryError...)
+    except BaseException as e:  # _run_ops itself failed (MemoryError...)
         results = [(False, e)] * len(ops)
-    for (_fn, _args, future), (ok, value) in zip(ops, results):
+    for (_fn, _args, future), (ok, value) in zip(ops, results, strict=True):
         if future.done():
             continue
         if ok:

@@ -10,6 +10,7 @@ a fault (ENOSPC, a slow rename) by replacing one of them.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import itertools
 import logging
@@ -107,7 +108,7 @@ def write_many(items: list[tuple[str, str, bytes, Digest | None]]) -> list[Excep
         try:
             write_small(*item)
             results.append(None)
-        except Exception as e:  # noqa: BLE001 - that item's outcome
+        except Exception as e:  # that item's outcome
             results.append(e)
     return results
 
@@ -253,10 +254,8 @@ class TempFile:
         if running:
             concurrent.futures.wait(running)
         if self.fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self.fd)
-            except OSError:
-                pass
             self.fd = None
         if self.path is not None:
             unlink_quiet(self.path)

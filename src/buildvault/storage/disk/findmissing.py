@@ -50,7 +50,7 @@ def missing_indices(index: Index, function: DigestFunction, hashes: Sequence[str
     missing: list[int] = []
     unique = len(set(hashes)) == len(hashes)  # the usual case: no need to track duplicates
     seen: set[object] = set()
-    for i, (hex_hash, size) in enumerate(zip(hashes, sizes)):
+    for i, (hex_hash, size) in enumerate(zip(hashes, sizes, strict=False)):  # callers pass equal lengths
         key: Any
         try:
             key = fn_byte + fromhex(hex_hash) + size.to_bytes(SIZE_BYTES, "big")

@@ -19,6 +19,7 @@ directory listings back into keys.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -200,10 +201,8 @@ def sizes_named(directory: str, hex_hash: str) -> list[int]:
         return []
     for name in names:
         if name.startswith(prefix):
-            try:
+            with contextlib.suppress(ValueError):
                 sizes.append(int(name[len(prefix) :]))
-            except ValueError:
-                pass
     return sizes
 
 

@@ -97,7 +97,7 @@ class Reader:
                 where.append((i, key, digest))
         if batch:
             found = await core.ops.submit(fileops.read_many, (batch,), 0)
-            for (i, key, digest), (status, data) in zip(where, found):
+            for (i, key, digest), (status, data) in zip(where, found, strict=True):
                 if status == fileops.OK:
                     results[i] = data
                     continue
@@ -136,7 +136,8 @@ class Reader:
                 sizes = await core.ops.submit(layout.sizes_named, (directory, hex_hash))
             except OSError as e:
                 raise fileops.storage_error(e, f"looking up {hex_hash}") from e
-            size = next((n for n in sizes if 0 <= n < MAX_BLOB and prefix + n.to_bytes(SIZE_BYTES, "big") in entries), None)
+            stored = (n for n in sizes if 0 <= n < MAX_BLOB and prefix + n.to_bytes(SIZE_BYTES, "big") in entries)
+            size = next(stored, None)
             if size is None:
                 raise NotFound(f"blob {function.label}:{hex_hash} not found")
             if len(self._sizes) >= 1 << 16:
@@ -152,10 +153,11 @@ class Reader:
         if key not in index.entries:
             raise NotFound(f"no entry for {digest} in {namespace!r}")
         index.touch(key)
-        data = index.ac_cache.get(key)
-        if data is not None:
-            return data
+        cached = index.ac_cache.get(key)
+        if cached is not None:
+            return cached
         published = index.ac_published
+        data: bytes | None
         try:
             data = await core.ops.submit(fileops.read_file, (core.layout.path(key),))
         except OSError as e:

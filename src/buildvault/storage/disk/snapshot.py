@@ -68,7 +68,7 @@ class _Reader:
         count = self.number()
         lens = self.numbers("H", count)
         blob = self._take(sum(lens))
-        return [blob[end - length : end] for end, length in zip(accumulate(lens), lens)]
+        return [blob[end - length : end] for end, length in zip(accumulate(lens), lens, strict=True)]
 
 
 def read_snapshot(path: str) -> Snapshot | None:
@@ -93,7 +93,7 @@ def read_snapshot(path: str) -> Snapshot | None:
         mtimes = reader.numbers("q", len(dir_ids))
         if reader.offset != len(data) - 4:
             raise ValueError("trailing bytes")
-        return Snapshot(keys, ticks, zip(ac_keys, ac_sizes), used, dict(zip(dir_ids, mtimes)))
+        return Snapshot(keys, ticks, zip(ac_keys, ac_sizes, strict=True), used, dict(zip(dir_ids, mtimes, strict=True)))
     except (ValueError, struct.error, IndexError) as e:
         log.warning("ignoring LRU snapshot %s (%s): rescanning the store", path, e)
         return None

@@ -82,7 +82,7 @@ def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
     snapshot = read_snapshot(where.snapshot_path)
     if snapshot is not None:
         keys, ticks, ac_pairs, used, recorded = snapshot
-        index = dict(zip(keys, map(interned.setdefault, ticks, ticks)))
+        index = dict(zip(keys, map(interned.setdefault, ticks, ticks), strict=True))
         ac_sizes = dict(ac_pairs)
         del keys, ticks, ac_pairs, snapshot
         trusted = {d for d, (_path, mtime) in dirs.items() if mtime != -1 and recorded.get(d) == mtime}
@@ -119,7 +119,9 @@ def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
             stat_calls = len(extras)
             timed = sorted((os.stat(file).st_mtime_ns, key, size) for key, size, file in extras)
         else:
-            log.warning("%s: no usable LRU snapshot for %d files; they start in directory order", where.root, len(extras))
+            log.warning(
+                "%s: no usable LRU snapshot for %d files; they start in directory order", where.root, len(extras)
+            )
             now_ns = time.time_ns()
             timed = [(now_ns, key, size) for key, size, _file in extras]
         for mtime_ns, key, size in timed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from collections.abc import AsyncIterable, Sequence
 from typing import Any
@@ -129,10 +130,10 @@ class Writer:
                         await core.ops.submit(fileops.check_hash, (bytes(data), digest))
                     await self.write(digest, single_chunk(data))
                     return None
-                except Exception as e:  # noqa: BLE001 - that blob's outcome
+                except Exception as e:  # that blob's outcome
                     return e
 
-            for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others))):
+            for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others)), strict=True):
                 outcomes[i] = outcome
         return outcomes
 
@@ -201,7 +202,9 @@ class Writer:
             raise
         await self._publish(key, temp, reservation, replace=replace)
 
-    async def _receive(self, digest: Digest | None, size: int, chunks: AsyncIterable[bytes] | bytes, what: object) -> str:
+    async def _receive(
+        self, digest: Digest | None, size: int, chunks: AsyncIterable[bytes] | bytes, what: object
+    ) -> str:
         """Stream into a temp file in batches, verifying size and hash; return its path.
 
         On any failure (mismatch, ENOSPC, an error from the iterator, cancellation) the temp file is
@@ -285,7 +288,9 @@ class Writer:
         if not task.cancelled() and task.exception() is not None:
             log.debug("publish failed: %s", task.exception())
 
-    async def _rename_and_index(self, key: bytes, temp: str, reservation: Reservation, done: asyncio.Future[None]) -> None:
+    async def _rename_and_index(
+        self, key: bytes, temp: str, reservation: Reservation, done: asyncio.Future[None]
+    ) -> None:
         core = self.core
         final = core.layout.path(key)
         try:
@@ -315,10 +320,8 @@ class Writer:
                 if core.deleting.get(key) is other:
                     del core.deleting[key]
                 continue
-            try:
+            with contextlib.suppress(Exception):  # only waiting for the slot; its outcome is re-checked
                 await asyncio.shield(other)
-            except Exception:  # noqa: BLE001 - only waiting for the slot; its outcome is re-checked
-                pass
 
     async def _store_small(
         self, key: bytes, digest: Digest | None, data: bytes, reservation: Reservation, what: object, *, replace: bool
@@ -350,7 +353,8 @@ class Writer:
                 del core.publishing[key]
                 done.set_result(None)
 
-        future = core.ops.submit(fileops.write_small, (core.layout.tmp_dir, core.layout.path(key), data, digest), len(data))
+        args = (core.layout.tmp_dir, core.layout.path(key), data, digest)
+        future = core.ops.submit(fileops.write_small, args, len(data))
         future.add_done_callback(finished)
         try:
             await asyncio.shield(future)
