@@ -54,12 +54,16 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients.")
+    parser = argparse.ArgumentParser(
+        prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients."
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
         help="run the cache server",
-        description="Run the cache server. Precedence: flags > BUILDVAULT_<NAME> environment > --config file > defaults.",
+        description=(
+            "Run the cache server. Precedence: flags > BUILDVAULT_<NAME> environment > --config file > defaults."
+        ),
     )
     serve.add_argument(
         "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
