@@ -1,6 +1,7 @@
 """The `buildvault` command.
 
     buildvault serve [--config FILE] [--dir DIR] [--max-size SIZE] [--grpc-address HOST:PORT] ...
+    buildvault --version
 
 Every Settings field is a flag, generated from the field's metadata (parser, help, metavar),
 so flags, BUILDVAULT_<NAME> variables and TOML keys can never drift apart. Precedence:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import os
 import signal
 import sys
@@ -53,10 +55,16 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(_flag(f.name), **kwargs)
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, recorded at install time)."""
+    return importlib.metadata.version("buildvault")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
