@@ -32,8 +32,6 @@ _banner_log = logging.getLogger(BANNER_LOGGER)
 _fields: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "buildvault_request_fields", default=None
 )
-#: What begin_request returns and end_request takes back.
-RequestToken = contextvars.Token[dict[str, Any] | None]
 
 
 class JsonFormatter(logging.Formatter):
@@ -87,6 +85,10 @@ def banner(lines: Iterable[str]) -> None:
 
 def requests_enabled() -> bool:
     return request_log.isEnabledFor(logging.DEBUG)
+
+
+#: What begin_request returns and end_request takes back.
+RequestToken = contextvars.Token[dict[str, Any] | None]
 
 
 def begin_request() -> RequestToken | None:
