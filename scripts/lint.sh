@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lint and type gate test.sh runs before pytest (settings in pyproject.toml):
 # ruff over src, tests and bench; mypy (strict) over src/buildvault.
-# Arguments replace the default paths: `scripts/lint.sh FILE...` checks only those files.
+# Arguments replace the default paths: `scripts/lint.sh PATH...` runs ruff on all of them and
+# mypy on those outside tests/ and bench/ (which are held to ruff only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${BUILDVAULT_VENV:-.venv}"
@@ -9,8 +10,9 @@ if [ "$#" -gt 0 ]; then
   ruff_paths=("$@")
   mypy_paths=()
   for path in "$@"; do
-    case "$path" in
-      *.py | *.pyi) mypy_paths+=("$path") ;;
+    case "$(realpath -m --relative-to=. "$path")" in
+      tests | tests/* | bench | bench/*) ;;
+      *) if [ -d "$path" ] || [[ "$path" == *.py ]] || [[ "$path" == *.pyi ]]; then mypy_paths+=("$path"); fi ;;
     esac
   done
 else
