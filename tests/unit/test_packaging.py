@@ -65,7 +65,7 @@ def test_wheel_carries_every_package_file(wheel: Path) -> None:
         names = set(archive.namelist())
     expected = _package_files()
     assert expected - names == set()
-    # What regen emits and compiles from, named explicitly in case the tree copy ever misses one.
+    # regen's outputs and sources by name, so one missing from the tree itself fails too.
     assert {path.as_posix() for path in regen.generated_files()} | set(regen.PROTOS) <= names
     assert "buildvault/py.typed" in names
     assert not [name for name in names if name.startswith(("tests/", "bench/", "src/"))]
