@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -178,6 +180,16 @@ def test_entry_is_intact_keeps_the_rules_of_each_kind() -> None:
     assert not entry_is_intact("ac", b"") and not entry_is_intact("raw", b"")
     assert not entry_is_intact("raw", bytes(40)) and not entry_is_intact("ac", bytes(40))
     assert entry_is_intact("raw", b"\xff\xff garbage")  # opaque: not parsed
+
+
+def test_the_disk_store_parses_no_reapi_message() -> None:
+    """The ActionResult check is handed in (actions.entry_is_intact); the store itself loads no protobuf."""
+    code = (
+        "import sys, buildvault.storage.disk\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('buildvault.remote_apis', 'google.protobuf'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
 
 
 async def test_clean_restart_verifies_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
