@@ -378,6 +378,20 @@ async def test_zstd_bad_uploads(stubs):
     assert await missing(stubs, [d]) == {key(d)}
 
 
+async def test_zstd_decoder_seams_on_write(stubs):
+    """The shared zstd decoder through ByteStream.Write: a frame cut in the middle of the last
+    of several frames, or garbage after complete frames, is INVALID_ARGUMENT and stores nothing."""
+    data = blob(60_000) + b"r" * 200_000
+    d = digest(data)
+    c = zstandard.ZstdCompressor(write_content_size=False)
+    frames = c.compress(data[:100_000]) + c.compress(data[100_000:])
+    for payload in (frames[:-6], frames + b"garbage after the frames"):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stubs.bytestream.Write(iterate(write_requests(upload_name(d, compressed=True), payload, chunk=5000)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert await missing(stubs, [d]) == {key(d)}
+
+
 async def test_zstd_resumable_upload(stubs):
     data = b"resumable compressed payload " * 50_000
     d = digest(data)

@@ -158,6 +158,26 @@ async def test_batch_update_zstd_that_expands_past_declared_size(stubs):
     assert reply.responses[0].status.code == INVALID_ARGUMENT
 
 
+async def test_batch_update_zstd_decoder_seams(stubs):
+    """The shared zstd decoder through BatchUpdateBlobs: several frames are one blob; truncated,
+    trailing garbage or more bytes than declared is INVALID_ARGUMENT for that blob alone."""
+    data = blob(40_000) + b"q" * 100_000
+    c = zstandard.ZstdCompressor(write_content_size=False)
+    frames = c.compress(data[:10]) + c.compress(data[10:60_000]) + c.compress(data[60_000:])
+    others = [blob(30_000) for _ in range(3)]
+    requests = [
+        Req(digest=digest(data), data=frames, compressor=ZSTD),
+        Req(digest=digest(others[0]), data=zstandard.ZstdCompressor().compress(others[0])[:-2], compressor=ZSTD),
+        Req(digest=digest(others[1]), data=zstandard.ZstdCompressor().compress(others[1]) + b"junk", compressor=ZSTD),
+        Req(digest=digest(others[2]), data=zstandard.ZstdCompressor().compress(others[2] + b"+"), compressor=ZSTD),
+    ]
+    reply = await stubs.cas.BatchUpdateBlobs(re_pb2.BatchUpdateBlobsRequest(requests=requests))
+    assert [r.status.code for r in reply.responses] == [0] + [INVALID_ARGUMENT] * 3
+    assert await missing(stubs, [digest(data), *map(digest, others)]) == {key(digest(d)) for d in others}
+    reply = await stubs.cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[digest(data)]))
+    assert reply.responses[0].data == data
+
+
 async def test_batch_read_zstd_when_acceptable(stubs):
     data = b"compressible " * 5000
     await batch_update(stubs, [data, b""])

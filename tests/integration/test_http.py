@@ -263,6 +263,51 @@ async def test_put_zstd_errors(http):
     assert (await get(http, f"/cas/{sha(data)}"))[0] == 404
 
 
+async def test_put_zstd_cas_decoder_seams(http):
+    """The shared zstd decoder through HTTP: frames, truncation, trailing garbage, output past the size."""
+    data = os.urandom(70_000) + b"x" * 500_000
+    sized = {"Content-Encoding": "zstd", "X-Digest-SizeBytes": str(len(data))}
+    c = zstandard.ZstdCompressor(write_content_size=False)
+    three_frames = c.compress(data[:1000]) + c.compress(data[1000:300_000]) + c.compress(data[300_000:])
+    for bad in (
+        three_frames[:-3],  # ends inside the last frame
+        three_frames + b"trailing junk",  # garbage after complete frames
+        zstandard.ZstdCompressor().compress(data + b"one byte more"),  # decodes past X-Digest-SizeBytes
+    ):
+        assert (await put(http, f"/cas/{sha(data)}", bad, headers=sized)).status == 400
+        assert (await get(http, f"/cas/{sha(data)}"))[0] == 404  # nothing stored
+    assert (await put(http, f"/cas/{sha(data)}", three_frames, headers=sized)).status == 200
+    assert (await get(http, f"/cas/{sha(data)}"))[1] == data
+
+
+async def test_put_zstd_ac_decoder_seams():
+    """zstd action entries: several frames are one entry; truncated or garbage is 400; past the
+    entry limit once decoded is 413; a refused PUT stores nothing."""
+    limit = 64 << 10
+    listener = HttpListener("127.0.0.1:0", create_app(MemoryBlobStore(), MemoryActionStore(), max_entry_size=limit))
+    await listener.start()
+    zstd = {"Content-Encoding": "zstd"}
+    entry = b"\xff" + os.urandom(20_000)  # not an ActionResult: a raw entry
+    c = zstandard.ZstdCompressor()
+    try:
+        async with aiohttp.ClientSession(f"http://{listener.address}", auto_decompress=False) as session:
+            for bad, status in (
+                (c.compress(entry)[:-4], 400),  # truncated
+                (b"not zstd" * 100, 400),  # garbage
+                (c.compress(entry) + b"junk", 400),  # trailing garbage
+                (c.compress(b"\0" * (limit + 1)), 413),  # tiny on the wire, over the limit decoded
+            ):
+                assert (await put(session, f"/ac/{sha(b'key')}", bad, headers=zstd)).status == status, bad[:20]
+                assert (await get(session, f"/ac/{sha(b'key')}"))[0] == 404
+            two_frames = c.compress(entry[:5000]) + c.compress(entry[5000:])
+            assert (await put(session, f"/ac/{sha(b'key')}", two_frames, headers=zstd)).status == 200
+            assert (await get(session, f"/ac/{sha(b'key')}"))[1] == entry
+            exactly = c.compress(b"\xff" * limit)  # at the limit is fine
+            assert (await put(session, f"/ac/{sha(b'max')}", exactly, headers=zstd)).status == 200
+    finally:
+        await listener.stop(1)
+
+
 # -- action entries ----------------------------------------------------------------------------
 
 
