@@ -124,16 +124,17 @@ class ZstdDecoder:
         self._frame = self._frames.decompressobj()
         self._inside_frame = False  # input fed to the current frame that has not finished it
 
-    def _feed(self, data: bytes) -> list[bytes]:
-        out: list[bytes] = []
-        while data:
-            out.append(self._frame.decompress(data))
-            self._inside_frame = not self._frame.eof
-            if not self._frame.eof:
-                break
-            data = self._frame.unused_data  # the next frame starts here
+    def _after_frame_end(self, out: bytes) -> bytes:
+        """The current frame ended: start the next one on its unused input (maybe several)."""
+        parts = [out]
+        while self._frame.eof:
+            rest = self._frame.unused_data  # the next frame starts here
             self._frame = self._frames.decompressobj()
-        return out
+            self._inside_frame = bool(rest)
+            if not rest:
+                break
+            parts.append(self._frame.decompress(rest))
+        return b"".join(parts)
 
     def step(self, data: bytes | memoryview, pos: int = 0, want: int = OUTPUT_CHUNK_SIZE) -> tuple[bytes, int]:
         """Decode from data[pos:] until about `want` bytes came out or the input is used up.
@@ -144,19 +145,24 @@ class ZstdDecoder:
         end = len(view)
         parts: list[bytes] = []
         produced = 0
+        budget = self.limit - self.total
         try:
             while pos < end and produced < want:
-                for piece in self._feed(bytes(view[pos : pos + _INPUT_SLICE])):
-                    if piece:
-                        parts.append(piece)
-                        produced += len(piece)
+                out = self._frame.decompress(view[pos : pos + _INPUT_SLICE])
                 pos = min(pos + _INPUT_SLICE, end)
-                if self.total + produced > self.limit:
-                    raise CompressionError(
-                        self._over,
-                        f"zstd data decompresses to more than the {self._limit_name()} {self.limit} bytes",
-                        self.limit,
-                    )
+                if self._frame.eof:
+                    out = self._after_frame_end(out)
+                else:
+                    self._inside_frame = True
+                if out:
+                    parts.append(out)
+                    produced += len(out)
+                    if produced > budget:
+                        raise CompressionError(
+                            self._over,
+                            f"zstd data decompresses to more than the {self._limit_name()} {self.limit} bytes",
+                            self.limit,
+                        )
         except zstandard.ZstdError as e:
             raise CompressionError(Reason.MALFORMED, f"invalid zstd data: {e}") from None
         self.total += produced
