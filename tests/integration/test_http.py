@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import os
 import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -19,12 +19,12 @@ import aiohttp
 import grpc
 import pytest
 import zstandard
+from conftest import CLIENT_OPTIONS, make_stubs
 from prometheus_client.parser import text_string_to_metric_families
+from reapi_client import batch_update, digest, read, write
 from yarl import URL
 
-from conftest import CLIENT_OPTIONS, make_stubs
-from reapi_client import batch_update, digest, read, write
-from buildvault.remote_apis import bs_pb2, re_pb2
+from buildvault.remote_apis import re_pb2
 from buildvault.server.http import HttpListener, ccache_key_to_hash, create_app, parse_cache_path
 from buildvault.server.metrics import Metrics
 from buildvault.storage import StorageFull
@@ -60,10 +60,12 @@ class Fresh:
 @pytest.fixture
 async def fresh(buildvault_server):
     """A server of the test's own (exact counts, restarts): its HTTP client and gRPC stubs."""
-    async with session_for(buildvault_server) as session:
-        async with grpc.aio.insecure_channel(buildvault_server.grpc_address, options=CLIENT_OPTIONS) as channel:
-            await channel.channel_ready()
-            yield Fresh(buildvault_server, session, make_stubs(channel))
+    async with (
+        session_for(buildvault_server) as session,
+        grpc.aio.insecure_channel(buildvault_server.grpc_address, options=CLIENT_OPTIONS) as channel,
+    ):
+        await channel.channel_ready()
+        yield Fresh(buildvault_server, session, make_stubs(channel))
 
 
 async def put(session: aiohttp.ClientSession, path: str, data: bytes, **kwargs) -> aiohttp.ClientResponse:
@@ -125,7 +127,7 @@ async def test_cas_put_hash_mismatch_stores_nothing(http, stubs):
 
 
 async def test_empty_blob_always_present(http):
-    status, body, response = await get(http, f"/cas/{EMPTY}")
+    status, body, _ = await get(http, f"/cas/{EMPTY}")
     assert (status, body) == (200, b"")
     async with http.head(f"/cas/{EMPTY}") as response:
         assert response.status == 200

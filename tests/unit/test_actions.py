@@ -88,7 +88,9 @@ async def test_update_reports_every_missing_blob(cache, stores):
 async def test_get_hides_results_whose_blobs_vanished(cache, stores):
     blobs, _ = stores
     await put(blobs, b"out", b"err")
-    result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="o", digest=pd(b"out"))], stderr_digest=pd(b"err"))
+    result = re_pb2.ActionResult(
+        output_files=[re_pb2.OutputFile(path="o", digest=pd(b"out"))], stderr_digest=pd(b"err")
+    )
     await cache.update("", ACTION, result)
     drop(blobs, b"err")
     with pytest.raises(NotFound):
@@ -141,7 +143,8 @@ async def test_tree_that_is_not_a_tree(cache, stores):
 
 async def test_tree_with_bad_file_digest(cache, stores):
     blobs, _ = stores
-    tree = re_pb2.Tree(root=re_pb2.Directory(files=[re_pb2.FileNode(name="f", digest=re_pb2.Digest(hash="x", size_bytes=1))]))
+    bad_file = re_pb2.FileNode(name="f", digest=re_pb2.Digest(hash="x", size_bytes=1))
+    tree = re_pb2.Tree(root=re_pb2.Directory(files=[bad_file]))
     await put(blobs, tree.SerializeToString())
     result = re_pb2.ActionResult(
         output_directories=[re_pb2.OutputDirectory(path="o", tree_digest=pd(tree.SerializeToString()))]
@@ -224,9 +227,15 @@ async def test_update_moves_raw_bytes_into_the_cas(cache, stores):
     "result,error",
     [
         (re_pb2.ActionResult(stdout_raw=b"abc", stdout_digest=pd(b"abd")), InvalidActionResult),
-        (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", contents=b"a", digest=pd(b"b"))]), InvalidActionResult),
+        (
+            re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", contents=b"a", digest=pd(b"b"))]),
+            InvalidActionResult,
+        ),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f")]), InvalidDigest),
-        (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", digest=re_pb2.Digest(hash="z" * 64))]), InvalidDigest),
+        (
+            re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", digest=re_pb2.Digest(hash="z" * 64))]),
+            InvalidDigest,
+        ),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="/abs", digest=pd(b""))]), InvalidActionResult),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="a//b", digest=pd(b""))]), InvalidActionResult),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="a/", digest=pd(b""))]), InvalidActionResult),

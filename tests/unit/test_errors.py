@@ -82,7 +82,7 @@ def test_rpc_status():
 
 def test_grpc_and_rpc_code_numbers_agree():
     for code in S:
-        if code.name in code_pb2.Code.keys():
+        if code.name in code_pb2.Code.keys():  # noqa: SIM118 - an EnumTypeWrapper, not a dict
             assert code.value[0] == code_pb2.Code.Value(code.name)
 
 
