@@ -1,6 +1,8 @@
 """The `buildvault` command.
 
     buildvault serve [--config FILE] [--dir DIR] [--max-size SIZE] [--grpc-address HOST:PORT] ...
+    buildvault run [options] -- CMD ...      one build step through the cache (client/run/)
+    buildvault cmake-module-path             where buildvault.cmake is
 
 Every Settings field is a flag, generated from the field's metadata (parser, help, metavar),
 so flags, BUILDVAULT_<NAME> variables and TOML keys can never drift apart. Precedence:
@@ -65,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
     )
     add_settings_flags(serve)
+    from buildvault.client.run.command import add_run_parser
+
+    add_run_parser(commands)
     return parser
 
 
@@ -115,6 +120,14 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from buildvault.client.run.command import main_run
+
+        return main_run(args)
+    if args.command == "cmake-module-path":
+        from buildvault.client.run.command import main_cmake_module_path
+
+        return main_cmake_module_path()
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2
