@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_harness import OPERATOR_STEP, ServerProcess  # noqa: E402
+from run_harness import OPERATOR_STEP, ServerProcess
 
 
 @pytest.fixture

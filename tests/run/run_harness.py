@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess
 
 BUILDVAULT = Path(sys.executable).parent / "buildvault"
 STATUS = re.compile(r"^\[buildvault\] (HIT|MISS|SAVED|BYPASS) step=(\S+) key=(\S+)", re.M)
