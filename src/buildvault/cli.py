@@ -3,6 +3,7 @@
     buildvault serve [--config FILE] [--dir DIR] [--max-size SIZE] [--grpc-address HOST:PORT] ...
     buildvault run [options] -- CMD ...      one build step through the cache (client/run/)
     buildvault cmake-module-path             where buildvault.cmake is
+    buildvault artifact push|pull|pin|unpin|pins ...   whole-build artifacts, golden versions
 
 Every Settings field is a flag, generated from the field's metadata (parser, help, metavar),
 so flags, BUILDVAULT_<NAME> variables and TOML keys can never drift apart. Precedence:
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from buildvault.client.run.command import add_run_parser
 
     add_run_parser(commands)
+    from buildvault.client.run.artifact import add_artifact_parser
+
+    add_artifact_parser(commands)
     return parser
 
 
@@ -124,6 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from buildvault.client.run.command import main_run
 
         return main_run(args)
+    if args.command == "artifact":
+        from buildvault.client.run.artifact import main_artifact
+
+        return main_artifact(args)
     if args.command == "cmake-module-path":
         from buildvault.client.run.command import main_cmake_module_path
 

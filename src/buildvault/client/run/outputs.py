@@ -68,13 +68,16 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _add_tree(builder: TreeBuilder, top: str, roots: Roots, blobs: dict[Digest, bytes]) -> int:
+def add_tree(builder: TreeBuilder, top: str, roots: Roots, blobs: dict[Digest, bytes], prefix: str = "") -> int:
+    """Add everything under directory `top` to `builder` (at `prefix/`), file contents to `blobs`."""
     count = 0
+    if prefix:
+        builder.add_dir(prefix)
     for here, dirs, files in os.walk(top):
         dirs.sort()
         for name in sorted([*files, *(d for d in dirs if os.path.islink(os.path.join(here, d)))]):
             full = os.path.join(here, name)
-            rel = os.path.relpath(full, top)
+            rel = os.path.join(prefix, os.path.relpath(full, top))
             if os.path.islink(full):
                 builder.add_symlink(rel, roots.normalize(os.readlink(full)))
             else:
@@ -85,7 +88,7 @@ def _add_tree(builder: TreeBuilder, top: str, roots: Roots, blobs: dict[Digest, 
             count += 1
         for name in dirs:
             if not os.path.islink(os.path.join(here, name)):
-                builder.add_dir(os.path.relpath(os.path.join(here, name), top))
+                builder.add_dir(os.path.join(prefix, os.path.relpath(os.path.join(here, name), top)))
     return count
 
 
@@ -101,7 +104,7 @@ def collect(workdir: str, paths: list[str], roots: Roots) -> Collected:
             out.count += 1
         elif os.path.isdir(full):
             builder = TreeBuilder()
-            out.count += _add_tree(builder, full, roots, out.blobs)
+            out.count += add_tree(builder, full, roots, out.blobs)
             data = serialize(builder.tree())
             digest = Digest.of(data)
             out.blobs[digest] = data
