@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import grpc
 
 from buildvault import logs
-from buildvault.actions import ActionCache
+from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.config import Settings
 from buildvault.remote_apis import bs_grpc, re_grpc
 from buildvault.server.grpc import MAX_MESSAGE_SIZE, server_options
@@ -227,7 +227,7 @@ class App:
 
         directory = self.settings.dir
         try:
-            storage = await DiskStorage.open(directory, self.settings.max_size)
+            storage = await DiskStorage.open(directory, self.settings.max_size, validate_entry=entry_is_intact)
             self._storage_stats = storage.stats
         except (OSError, StorageError) as e:
             raise StartupError(f"cannot open the data directory {directory}: {e}") from None
