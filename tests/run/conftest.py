@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,14 +14,26 @@ from run_harness import OPERATOR_STEP, ServerProcess
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(tmp_path / "server" / "data", name="server")
-    process.start()
-    try:
-        yield process
-    finally:
-        process.stop()
-        process.kill()
+def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """start(**ServerProcess kwargs): a live server; every one is stopped at teardown."""
+    started: list[ServerProcess] = []
+
+    def start(name: str = "server", **kwargs: Any) -> ServerProcess:
+        process = ServerProcess(tmp_path / name / "data", name=name, **kwargs)
+        started.append(process)
+        return process.start()
+
+    yield start
+    for process in started:
+        try:
+            process.stop()
+        finally:
+            process.kill()
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
+    return server_factory()
 
 
 @pytest.fixture

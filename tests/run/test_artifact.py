@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import urllib.request
 from pathlib import Path
 
 from run_harness import BUILDVAULT, require_buildvault, step_env, tree_bytes
@@ -101,3 +103,37 @@ def test_pins_roll_back_to_a_golden_version(server, tmp_path):
     assert artifact(["unpin", "l0", "candidate"], tmp_path, env).returncode == 0
     assert artifact(["pins"], tmp_path, env).stdout.splitlines() == [f"l0\tgolden\t{golden_key}"]
     assert artifact(["pin", "l0", "0" * 64 + "/10", "x"], tmp_path, env).returncode == 3  # no such artifact
+
+
+def test_pinned_version_survives_eviction_and_shows_on_the_status_page(server_factory, tmp_path):
+    server = server_factory(extra_args=["--max-size", "400KiB"])
+    env = step_env(server, tmp_path / "agent", tmp_path / "runs.log")
+    make_tree(tmp_path)
+    lib = tmp_path / "output" / "lib" / "libops.so"
+    lib.write_bytes(b"golden " * 10000)  # ~70 KB
+    pinned = artifact(["push", "l0", *KEY, "--pin", "golden", "output"], tmp_path, env)
+    assert pinned.returncode == 0, pinned.stderr
+    golden = tree_bytes(tmp_path / "output")
+    for i in range(12):  # ~840 KB of unpinned versions through a 400 KiB cap
+        lib.write_bytes(f"unpinned {i} ".encode() * 6000)
+        (tmp_path / "csrc" / "ops" / "op.cc").write_text(f"int op() {{ return {i + 10}; }}\n")
+        assert artifact(["push", "l0", *KEY, "output"], tmp_path, env).returncode == 0
+    status = json.loads(urllib.request.urlopen(f"http://{server.http_address}/status", timeout=10).read())
+    assert status["evictions"] > 0 and status["current_size_bytes"] <= 400 * 1024
+    assert [(p["name"], p["label"]) for p in status["pins"]] == [("l0", "golden")]
+    page = urllib.request.urlopen(f"http://{server.http_address}/status.html", timeout=10).read().decode()
+    assert "l0/golden" in page
+    # the earliest unpinned version was evicted...
+    (tmp_path / "csrc" / "ops" / "op.cc").write_text("int op() { return 10; }\n")
+    assert artifact(["pull", "l0", *KEY, "--dest", "old"], tmp_path, env).returncode == 3
+    # ...the pinned one is whole, and survives a restart too
+    rolled = artifact(["pull", "l0", "--pinned", "golden", "--dest", "rollback"], tmp_path, env)
+    assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+    assert tree_bytes(tmp_path / "rollback" / "output") == golden
+    server.restart()
+    for i in range(6):
+        lib.write_bytes(f"after restart {i} ".encode() * 6000)
+        assert artifact(["push", "l0", *KEY, "--key-value", f"n={i}", "output"], tmp_path, env).returncode == 0
+    again = artifact(["pull", "l0", "--pinned", "golden", "--dest", "rollback2"], tmp_path, env)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert tree_bytes(tmp_path / "rollback2" / "output") == golden

@@ -30,6 +30,7 @@ from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
+from buildvault.server.pins import PinningActionStore, PinRegistry
 from buildvault.storage import ActionStore, BlobStore, StorageError
 
 log = logging.getLogger("buildvault.app")
@@ -140,6 +141,7 @@ class App:
         # Owned by this App (not the global registry): two servers in one process count apart.
         self.metrics = Metrics(version=VERSION)
         self._storage_stats: Any = None
+        self._pins: PinRegistry | None = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class App:
                 action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE),
                 uploads=Uploads(blobs, grace=self.upload_grace),
                 max_cas_blob_size=self._max_blob_size(),
-                extra={"metrics": self.metrics},
+                extra={"metrics": self.metrics, "pins": self._pins.listing if self._pins else None},
             )
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
@@ -245,6 +247,10 @@ class App:
                 blobs, actions = tier.cas, tier.ac
                 where = self.settings.s3_endpoint or "AWS"
                 self._store_label += f" + bucket {self.settings.s3_bucket} at {where}"
+        # Golden versions: the disk store's eviction skips what the pin indexes reach.
+        self._pins = PinRegistry(blobs, storage.protect)
+        actions = PinningActionStore(actions, self._pins)
+        await self._pins.load(actions)
         return blobs, actions
 
     def _banner(self) -> None:

@@ -231,6 +231,7 @@ class HttpCache:
         self.max_blob_size = max_blob_size or None
         self.max_entry_size = max_entry_size
         self.version = version or metrics.version or _version()
+        self.pins: Callable[[], list[dict[str, str]]] | None = None  # golden versions (server/pins.py)
 
     # -- dispatch ------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -444,6 +445,7 @@ class HttpCache:
             "NumFiles": s.blob_count,
             "ServerTime": int(time.time()),
             "GitCommit": self.version,
+            "pins": self.pins() if self.pins is not None else [],
         }
 
     async def status_json(self, request: web.Request) -> web.Response:
@@ -617,6 +619,7 @@ def _render_html(doc: dict[str, Any]) -> str:
         ("AC hits", f"{hits:,}"),
         ("AC misses", f"{misses:,}"),
         ("AC hit ratio", ratio),
+        ("Pinned versions", ", ".join(f"{p['name']}/{p['label']}" for p in doc.get("pins", [])) or "–"),
     ]
     body = "\n".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows
@@ -743,6 +746,9 @@ class HttpListener:
             max_blob_size=services.max_cas_blob_size or None,
             version=version,
         )
+        cache = app[HTTP_CACHE_KEY]
+        assert isinstance(cache, HttpCache)
+        cache.pins = services.extra.get("pins")
         return cls(address, app)
 
     @property
