@@ -17,15 +17,14 @@ upload publishes nothing. A second signal cuts the grace period short.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from buildvault import logs
-from buildvault.config import ENV_PREFIX, ConfigError, Settings, load_settings
+# asyncio, logs and config load on use: `buildvault run` is started once per build step.
+if TYPE_CHECKING:
+    from buildvault.config import Settings
 
 # Seconds in-flight requests get to finish after SIGTERM/SIGINT.
 SHUTDOWN_GRACE = 20.0
@@ -37,6 +36,8 @@ def _flag(name: str) -> str:
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; unset flags stay None so lower layers show through."""
+    from buildvault.config import ENV_PREFIX, Settings
+
     for f in Settings.fields():
         help_text = f.metadata.get("help", "")
         default = f.default
@@ -58,6 +59,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients.")
+    from buildvault.config import ENV_PREFIX
+
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
@@ -71,18 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     from buildvault.client.run.command import add_run_parser
 
     add_run_parser(commands)
-    from buildvault.client.run.artifact import add_artifact_parser
+    from buildvault.client.run.artifact_cli import add_artifact_parser
 
     add_artifact_parser(commands)
     return parser
 
 
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
+    from buildvault.config import Settings, load_settings
+
     flags = {f.name: getattr(args, f.name, None) for f in Settings.fields()}
     return load_settings(flags, os.environ if env is None else env, args.config)
 
 
 async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
+    import asyncio
+    import signal
+
+    from buildvault import logs
     from buildvault.server.app import App, StartupError
 
     app = App(settings)
@@ -122,6 +131,16 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["run"]:  # the per-step path: no server modules, no settings
+        from buildvault.client.run.command import run_main
+
+        return run_main(words[1:])
+    import asyncio
+
+    from buildvault import logs
+    from buildvault.config import ConfigError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":

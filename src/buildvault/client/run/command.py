@@ -41,6 +41,14 @@ def main_run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     return run_step(spec, env)
 
 
+def run_main(argv: list[str]) -> int:
+    """`buildvault run ARGS` parsed by its own parser (what `buildvault` does for `run`)."""
+    parser = argparse.ArgumentParser(prog="buildvault run")
+    commands = parser.add_subparsers(dest="command")
+    add_run_parser(commands)
+    return main_run(parser.parse_args(["run", *argv]))
+
+
 def main_cmake_module_path() -> int:
     print(CMAKE_MODULE_DIR)
     return 0 if (CMAKE_MODULE_DIR / "buildvault.cmake").is_file() else 1
