@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
-from server_process import ServerProcess
+from server_process import ServerProcess  # type: ignore[import-not-found]  # tests/integration, on sys.path above
+
+__all__ = [
+    "BUILDVAULT", "OPERATOR_STEP", "STATUS", "ServerProcess", "require_buildvault",
+    "Step", "run_step", "runs", "start_step", "step_env",
+    "tree_bytes",
+]
 
 BUILDVAULT = Path(sys.executable).parent / "buildvault"
 STATUS = re.compile(r"^\[buildvault\] (HIT|MISS|SAVED|BYPASS) step=(\S+) key=(\S+)", re.M)

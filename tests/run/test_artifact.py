@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-from run_harness import BUILDVAULT, require_buildvault, step_env, tree_bytes
+from run_harness import BUILDVAULT, ServerProcess, require_buildvault, step_env, tree_bytes
 
 
 def artifact(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -37,7 +38,7 @@ def make_tree(root: Path) -> None:
 KEY = ["--key-tree", "csrc", "--key-value", "image=cann-8.0.RC3", "--platform", "arch=aarch64"]
 
 
-def test_push_pull_identical_tree_and_miss_after_one_byte(server, tmp_path):
+def test_push_pull_identical_tree_and_miss_after_one_byte(server: ServerProcess, tmp_path: Path) -> None:
     env = step_env(server, tmp_path / "agent", tmp_path / "runs.log")
     make_tree(tmp_path)
     pushed = artifact(["push", "l0", *KEY, "output"], tmp_path, env)
@@ -64,7 +65,7 @@ def test_push_pull_identical_tree_and_miss_after_one_byte(server, tmp_path):
     assert artifact(["pull", "l0", *KEY, "--dest", "x3"], tmp_path, env).returncode == 3
 
 
-def test_errors_are_not_misses(server, tmp_path):
+def test_errors_are_not_misses(server: ServerProcess, tmp_path: Path) -> None:
     env = step_env(server, tmp_path / "agent", tmp_path / "runs.log")
     make_tree(tmp_path)
     (tmp_path / "full").mkdir()
@@ -79,7 +80,7 @@ def test_errors_are_not_misses(server, tmp_path):
     assert artifact(["pull", "l0", *KEY, "--dest", "d"], tmp_path, env).returncode == 1  # unreachable: an error
 
 
-def test_pins_roll_back_to_a_golden_version(server, tmp_path):
+def test_pins_roll_back_to_a_golden_version(server: ServerProcess, tmp_path: Path) -> None:
     env = step_env(server, tmp_path / "agent", tmp_path / "runs.log")
     make_tree(tmp_path)
     first = artifact(["push", "l0", *KEY, "--pin", "golden", "output"], tmp_path, env)
@@ -105,7 +106,9 @@ def test_pins_roll_back_to_a_golden_version(server, tmp_path):
     assert artifact(["pin", "l0", "0" * 64 + "/10", "x"], tmp_path, env).returncode == 3  # no such artifact
 
 
-def test_pinned_version_survives_eviction_and_shows_on_the_status_page(server_factory, tmp_path):
+def test_pinned_version_survives_eviction_and_shows_on_the_status_page(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path,
+) -> None:
     server = server_factory(extra_args=["--max-size", "400KiB"])
     env = step_env(server, tmp_path / "agent", tmp_path / "runs.log")
     make_tree(tmp_path)

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from run_harness import BUILDVAULT, STATUS, require_buildvault, runs, step_env, tree_bytes
+from run_harness import BUILDVAULT, STATUS, ServerProcess, require_buildvault, runs, step_env, tree_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "bazel_example"
@@ -26,7 +26,7 @@ def fake_tool(bin_dir: Path, version: str) -> None:
 
 
 class Project:
-    def __init__(self, root: Path, server, tool_version: str = "1.0"):
+    def __init__(self, root: Path, server: ServerProcess, tool_version: str = "1.0") -> None:
         self.root = root
         self.bin = root / "bin"
         fake_tool(self.bin, tool_version)
@@ -66,7 +66,7 @@ def all_(status: str, names: list[str] | None = None) -> dict[str, str]:
 
 
 @pytest.fixture
-def project(tmp_path, server):
+def project(tmp_path: Path, server: ServerProcess) -> Project:
     require_buildvault()
     if shutil.which("cmake") is None:
         raise AssertionError("cmake is required for these tests (scripts/install-system-deps.sh)")
@@ -79,7 +79,7 @@ def outputs(checkout: Path) -> dict[str, bytes | str]:
     }
 
 
-def test_operator_steps_and_third_party_build(project):
+def test_operator_steps_and_third_party_build(project: Project) -> None:
     checkout = project.checkout()
     assert project.build(checkout) == {**all_("SAVED"), THIRD: "SAVED"}
     assert sorted(runs(project.log)) == sorted([*OPS, "third_party:minicalc"])
@@ -102,7 +102,7 @@ def test_operator_steps_and_third_party_build(project):
     assert outputs(moved) == cold
 
 
-def test_what_makes_operator_steps_miss(project):
+def test_what_makes_operator_steps_miss(project: Project) -> None:
     checkout = project.checkout()
     project.build(checkout)
     runs(project.log)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from pathlib import Path
 
-from run_harness import runs, start_step, tree_bytes
-from test_run_step import make_env, op_args, run_step
+from run_harness import ServerProcess, run_step, runs, start_step, tree_bytes
+from test_run_step import make_env, op_args
 
 from buildvault.client.remote import Remote
 from buildvault.client.run.lock import KeyLock
@@ -23,7 +24,7 @@ def proto(d: Digest) -> re_pb2.Digest:
     return re_pb2.Digest(hash=d.hash, size_bytes=d.size_bytes)
 
 
-def test_damaged_output_blob_is_a_miss_and_rebuilds(server, checkout, tmp_path):
+def test_damaged_output_blob_is_a_miss_and_rebuilds(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     assert run_step(op_args("add"), checkout, env).status == "SAVED"
     good = tree_bytes(checkout / "out")
@@ -42,7 +43,9 @@ def test_damaged_output_blob_is_a_miss_and_rebuilds(server, checkout, tmp_path):
     assert tree_bytes(checkout / "out") == good
 
 
-def test_hostile_action_results_are_misses_and_write_nothing_outside(server, checkout, tmp_path):
+def test_hostile_action_results_are_misses_and_write_nothing_outside(
+    server: ServerProcess, checkout: Path, tmp_path: Path,
+) -> None:
     env = make_env(server, tmp_path)
     first = run_step(op_args("add"), checkout, env)
     key = key_digest(first.key)
@@ -77,7 +80,9 @@ def test_hostile_action_results_are_misses_and_write_nothing_outside(server, che
         remote.close()
 
 
-def test_four_identical_steps_at_once_run_the_command_once(server, checkout, tmp_path):
+def test_four_identical_steps_at_once_run_the_command_once(
+    server: ServerProcess, checkout: Path, tmp_path: Path,
+) -> None:
     env = make_env(server, tmp_path)
     script = checkout / "op_step.sh"
     script.write_text(script.read_text() + "sleep 1  # a step that takes a while\n")
@@ -89,7 +94,7 @@ def test_four_identical_steps_at_once_run_the_command_once(server, checkout, tmp
     assert runs(tmp_path / "runs.log") == ["ops/add.cc"]
 
 
-def test_lock_held_too_long_is_a_bypass(server, checkout, tmp_path):
+def test_lock_held_too_long_is_a_bypass(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     reader = make_env(server, tmp_path, BUILDVAULT_WRITER="0")
     key = key_digest(run_step(op_args("add"), checkout, reader).key)
     lock = KeyLock(key.hash, str(tmp_path / "agent" / "run-locks"))
@@ -102,7 +107,7 @@ def test_lock_held_too_long_is_a_bypass(server, checkout, tmp_path):
     assert run_step(op_args("add"), checkout, make_env(server, tmp_path)).status == "SAVED"
 
 
-def test_server_stopped_mid_build_steps_run_plainly(server, checkout, tmp_path):
+def test_server_stopped_mid_build_steps_run_plainly(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     assert run_step(op_args("add"), checkout, env).status == "SAVED"
     server.stop()

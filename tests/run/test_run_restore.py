@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
 
-def fetch_from(blobs: dict[Digest, bytes]):
+def fetch_from(blobs: dict[Digest, bytes]) -> Callable[[Iterable[Digest]], dict[Digest, bytes]]:
     return lambda digests: {d: blobs[d] for d in digests if d in blobs}
 
 
@@ -24,12 +25,12 @@ def file_result(path: str, data: bytes) -> tuple[re_pb2.ActionResult, dict[Diges
 
 
 @pytest.mark.parametrize("path", ["/etc/x", "../x", "a/../../x", "a//b", "./a", "", "a/\0"])
-def test_unclean_paths(path):
+def test_unclean_paths(path: str) -> None:
     assert not clean_relative(path)
 
 
 @pytest.mark.parametrize("path", ["/abs/out", "../out", "out/../../x"])
-def test_absolute_or_escaping_output_is_refused(tmp_path: Path, path: str):
+def test_absolute_or_escaping_output_is_refused(tmp_path: Path, path: str) -> None:
     work = tmp_path / "work"
     work.mkdir()
     result, blobs = file_result(path, b"evil")
@@ -38,7 +39,7 @@ def test_absolute_or_escaping_output_is_refused(tmp_path: Path, path: str):
     assert list(tmp_path.rglob("*")) == [work]
 
 
-def test_nothing_written_when_one_blob_is_wrong(tmp_path: Path):
+def test_nothing_written_when_one_blob_is_wrong(tmp_path: Path) -> None:
     good, bad = b"good", b"bad!"
     dg, db = Digest.of(good), Digest.of(bad)
     result = re_pb2.ActionResult(output_files=[
@@ -49,7 +50,7 @@ def test_nothing_written_when_one_blob_is_wrong(tmp_path: Path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_symlinked_parent_leading_outside_is_refused(tmp_path: Path):
+def test_symlinked_parent_leading_outside_is_refused(tmp_path: Path) -> None:
     work, outside = tmp_path / "work", tmp_path / "outside"
     work.mkdir()
     outside.mkdir()
@@ -60,7 +61,7 @@ def test_symlinked_parent_leading_outside_is_refused(tmp_path: Path):
     assert list(outside.iterdir()) == []
 
 
-def test_collect_then_restore_round_trip(tmp_path: Path):
+def test_collect_then_restore_round_trip(tmp_path: Path) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
     (src / "d" / "e").mkdir(parents=True)
     (src / "d" / "e" / "f").write_bytes(b"\x00\x01")

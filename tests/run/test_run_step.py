@@ -43,7 +43,9 @@ def make_env(server: ServerProcess | None, tmp_path: Path, **extra: str) -> dict
     return env
 
 
-def test_cold_saves_then_clean_rebuild_hits_byte_identical(server, checkout, tmp_path):
+def test_cold_saves_then_clean_rebuild_hits_byte_identical(
+    server: ServerProcess, checkout: Path, tmp_path: Path,
+) -> None:
     env = make_env(server, tmp_path)
     assert build(checkout, env) == {"add": "SAVED", "mul": "SAVED"}
     assert sorted(runs(tmp_path / "runs.log")) == ["ops/add.cc", "ops/mul.cc"]
@@ -58,7 +60,7 @@ def test_cold_saves_then_clean_rebuild_hits_byte_identical(server, checkout, tmp
     assert tree_bytes(checkout / "out") == before
 
 
-def test_moved_checkout_hits(server, checkout, tmp_path):
+def test_moved_checkout_hits(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     build(checkout, env)
     runs(tmp_path / "runs.log")
@@ -69,7 +71,7 @@ def test_moved_checkout_hits(server, checkout, tmp_path):
     assert tree_bytes(moved / "out") == tree_bytes(checkout / "out")
 
 
-def test_what_joins_the_key(server, checkout, tmp_path):
+def test_what_joins_the_key(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     build(checkout, env)
     runs(tmp_path / "runs.log")
@@ -102,7 +104,7 @@ def test_what_joins_the_key(server, checkout, tmp_path):
     assert build(checkout, {**env2, "UNRELATED": "x"}) == {"add": "HIT", "mul": "HIT"}
 
 
-def test_directory_input_walk_excludes_and_symlinks(server, checkout, tmp_path):
+def test_directory_input_walk_excludes_and_symlinks(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     lib = checkout / "lib"
     (lib / "sub").mkdir(parents=True)
@@ -125,7 +127,7 @@ def test_directory_input_walk_excludes_and_symlinks(server, checkout, tmp_path):
     assert run_step([*args[:4], "--exclude", "sub", *args[4:]], checkout, env).status == "SAVED"
 
 
-def test_missing_input_fails_the_step_without_running(server, checkout, tmp_path):
+def test_missing_input_fails_the_step_without_running(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     step = run_step(op_args("add", "--input", "ops/none.cc"), checkout, env)
     assert step.code == 2
@@ -133,7 +135,7 @@ def test_missing_input_fails_the_step_without_running(server, checkout, tmp_path
     assert runs(tmp_path / "runs.log") == []
 
 
-def test_output_dir_discovery_and_zero_outputs(server, checkout, tmp_path):
+def test_output_dir_discovery_and_zero_outputs(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     (checkout / "gen").mkdir()
     (checkout / "gen" / "old.txt").write_text("kept, unchanged\n")
@@ -155,7 +157,7 @@ def test_output_dir_discovery_and_zero_outputs(server, checkout, tmp_path):
     assert declared_missing.code == 1 and "never" in declared_missing.stderr
 
 
-def test_failing_command_is_never_stored(server, checkout, tmp_path):
+def test_failing_command_is_never_stored(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
     args = ["--input", "ops/add.cc", "--output", "o", "--", "sh", "-c",
             "echo fail >> \"$RUN_LOG\"; echo o > o; echo broken >&2; exit 3"]
@@ -166,7 +168,7 @@ def test_failing_command_is_never_stored(server, checkout, tmp_path):
     assert runs(tmp_path / "runs.log") == ["fail", "fail"]
 
 
-def test_reader_never_stores(server, checkout, tmp_path):
+def test_reader_never_stores(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     reader = make_env(server, tmp_path, BUILDVAULT_WRITER="0")
     assert build(checkout, reader) == {"add": "MISS", "mul": "MISS"}
     assert build(checkout, reader) == {"add": "MISS", "mul": "MISS"}
@@ -175,7 +177,7 @@ def test_reader_never_stores(server, checkout, tmp_path):
     assert build(checkout, reader) == {"add": "HIT", "mul": "HIT"}
 
 
-def test_event_log_and_summary(server, checkout, tmp_path):
+def test_event_log_and_summary(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     log = tmp_path / "events.jsonl"
     env = make_env(server, tmp_path, BUILDVAULT_EVENT_LOG=str(log))
     build(checkout, env)
@@ -190,7 +192,7 @@ def test_event_log_and_summary(server, checkout, tmp_path):
     assert "hits:             2" in summary.stdout and "misses:           2" in summary.stdout
 
 
-def test_no_remote_runs_plainly(checkout, tmp_path):
+def test_no_remote_runs_plainly(checkout: Path, tmp_path: Path) -> None:
     env = make_env(None, tmp_path)
     step = run_step(op_args("add"), checkout, env)
     assert (step.code, step.status) == (0, "BYPASS")
