@@ -106,6 +106,7 @@ class Step:
         }
         self.key: StepKey | None = None
         self.remote: Remote | None = None
+        self.ran = False  # the command has been started: never run it a second time
 
     # -- reporting -----------------------------------------------------------------------------
     def finish(self, status: str, code: int, reason: str = "", **extra: Any) -> int:
@@ -126,6 +127,7 @@ class Step:
         return code
 
     def bypass(self, reason: str) -> int:
+        self.ran = True
         ran = run_command(self.spec, self.run_env)
         return self.finish("BYPASS", ran.exit, reason, compile_seconds=round(ran.seconds, 4))
 
@@ -150,6 +152,11 @@ class Step:
             return self.bypass("bad-remote")
         try:
             return self._cached(self.key, self.remote)
+        except Exception as e:  # a cache bug must never fail the build
+            if self.ran:
+                raise
+            warn_once(f"buildvault run: internal error ({type(e).__name__}: {e}); running the step uncached")
+            return self.bypass("internal-error")
         finally:
             self.remote.close()
 
@@ -166,7 +173,7 @@ class Step:
         try:
             count = restore(result, self.spec.workdir, key.output_paths, discover, key.roots, remote.download)
             stdout, stderr = self._streams(result, remote)
-        except (UnusableResult, RemoteError) as e:
+        except (UnusableResult, RemoteError, OSError) as e:
             print(f"buildvault run: cached result of step {self.spec.label} is unusable ({e}); running it",
                   file=sys.stderr, flush=True)
             self.event["reason"] = "unusable-result"
@@ -219,6 +226,7 @@ class Step:
     def _run_and_store(self, key: StepKey, remote: Remote, store: bool) -> int:
         spec = self.spec
         before = snapshot(spec.output_dir) if spec.output_dir else {}
+        self.ran = True
         ran = run_command(spec, self.run_env)
         self.event["compile_seconds"] = round(ran.seconds, 4)
         if ran.exit != 0:
