@@ -10,6 +10,11 @@ An ActionResult is only worth serving if a client can fetch everything it names.
   contents) into the CAS, refuses results that reference missing blobs (MissingBlobs, which the
   gRPC layer turns into FAILED_PRECONDITION with a PreconditionFailure), and stores the result
   under `ac_namespace(instance_name)`.
+- Entries that arrive as bytes (bazel-remote's HTTP PUT /ac/) are classified: a valid
+  ActionResult whose blobs are all present is a real entry (what GetActionResult serves);
+  anything else, e.g. a ccache entry, is kept byte-for-byte under `ac_namespace(instance, "raw")`,
+  which gRPC never serves. `lookup_entry` looks in the real namespace first, then the raw one,
+  and never serves an ActionResult whose blobs are missing from either.
 
 Empty blobs are always present, as the REAPI requires, whether or not anyone uploaded them.
 """
@@ -17,6 +22,7 @@ Empty blobs are always present, as the REAPI requires, whether or not anyone upl
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 from google.protobuf.message import DecodeError
@@ -27,6 +33,7 @@ from buildvault.storage import ActionStore, BlobStore, NotFound, ac_namespace
 
 __all__ = [
     "ActionCache",
+    "EntryKind",
     "InvalidActionResult",
     "MissingBlobs",
     "find_missing",
@@ -58,6 +65,14 @@ class InvalidActionResult(ValueError):
     """An ActionResult that breaks the spec (bad path, a Tree that is not a Tree, ...)."""
 
 
+class EntryKind(enum.Enum):
+    """What the bytes of an action entry are, by the ActionCache's rules."""
+
+    COMPLETE = "complete"  # a valid ActionResult whose referenced blobs are all in the CAS
+    INCOMPLETE = "incomplete"  # a valid ActionResult that references missing blobs
+    OPAQUE = "opaque"  # anything else (e.g. a ccache entry): kept and served byte-for-byte
+
+
 def is_empty(digest: Digest) -> bool:
     """The empty blob: always present, never needs storing."""
     return digest.size_bytes == 0 and digest.hash == _EMPTY_HASH[digest.function]
@@ -82,6 +97,10 @@ async def read_blob(store: BlobStore, digest: Digest, max_size: int | None = Non
     chunks = await store.read(digest)
     parts = [chunk async for chunk in chunks]
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _digest_message(digest: Digest) -> re_pb2.Digest:
+    return re_pb2.Digest(hash=digest.hash, size_bytes=digest.size_bytes)
 
 
 async def _single(data: bytes) -> AsyncIterator[bytes]:
@@ -123,18 +142,20 @@ class _References:
 def _collect(result: re_pb2.ActionResult, function: DigestFunction) -> _References:
     """Parse and validate every digest and path of `result` (InvalidDigest / InvalidActionResult)."""
     refs = _References()
-    for index, output in enumerate(result.output_files):
-        _check_path(output.path, "output file")
+    for output_file in result.output_files:
+        _check_path(output_file.path, "output file")
         try:
-            refs.add(Digest.from_proto(output.digest, function))
+            refs.add(Digest.from_proto(output_file.digest, function))
         except InvalidDigest as e:
-            raise InvalidDigest(f"output file {output.path[:200]!r}: {e}") from None
+            raise InvalidDigest(f"output file {output_file.path[:200]!r}: {e}") from None
     for output in result.output_directories:
         _check_path(output.path, "output directory", allow_empty=True)
         has_tree = output.HasField("tree_digest") and output.tree_digest.hash != ""
         has_root = output.HasField("root_directory_digest") and output.root_directory_digest.hash != ""
         if not has_tree and not has_root:
-            raise InvalidActionResult(f"output directory {output.path[:200]!r} has neither tree_digest nor root_directory_digest")
+            raise InvalidActionResult(
+                f"output directory {output.path[:200]!r} has neither tree_digest nor root_directory_digest"
+            )
         try:
             if has_tree:
                 refs.trees.setdefault(Digest.from_proto(output.tree_digest, function))
@@ -233,7 +254,7 @@ class ActionCache:
             present = [d for d in level if d not in absent]
             blobs = await asyncio.gather(*(read_blob(self.blobs, d, MAX_TREE_BYTES) for d in present))
             level = []
-            for digest, data in zip(present, blobs):
+            for digest, data in zip(present, blobs, strict=True):
                 try:
                     directory = re_pb2.Directory.FromString(data)
                     _directory_files(directory, function, files)
@@ -245,6 +266,45 @@ class ActionCache:
                         seen.add(child)
                         level.append(child)
         return missing
+
+    # -- entries as bytes (bazel-remote HTTP) ---------------------------------------------
+
+    async def classify_entry(self, data: bytes, function: DigestFunction) -> EntryKind:
+        """Whether `data` is a complete ActionResult, an incomplete one, or opaque bytes."""
+        try:
+            result = re_pb2.ActionResult.FromString(data)
+        except Exception:  # DecodeError and friends: not an ActionResult
+            return EntryKind.OPAQUE
+        try:
+            missing = await self.missing_blobs(result, function)
+        except (InvalidActionResult, InvalidDigest):
+            return EntryKind.OPAQUE
+        return EntryKind.INCOMPLETE if missing else EntryKind.COMPLETE
+
+    async def lookup_entry(self, instance_name: str, action_digest: Digest) -> bytes | None:
+        """The stored bytes for `action_digest`: a complete real entry, else the raw entry, else None.
+
+        A raw entry that is an ActionResult (PUT before its blobs) is served only once every
+        blob it references is present, like a real one."""
+        function = action_digest.function
+        try:
+            data: bytes | None = await self.actions.get(ac_namespace(instance_name), action_digest)
+        except NotFound:
+            data = None
+        if data is not None and await self.classify_entry(data, function) is EntryKind.COMPLETE:
+            return data
+        try:
+            data = await self.actions.get(ac_namespace(instance_name, "raw"), action_digest)
+        except NotFound:
+            return None
+        return None if await self.classify_entry(data, function) is EntryKind.INCOMPLETE else data
+
+    async def store_entry(self, instance_name: str, action_digest: Digest, data: bytes) -> EntryKind:
+        """Store `data` byte-for-byte: a complete ActionResult as a real entry, anything else as raw."""
+        kind = await self.classify_entry(data, action_digest.function)
+        namespace = ac_namespace(instance_name) if kind is EntryKind.COMPLETE else ac_namespace(instance_name, "raw")
+        await self.actions.put(namespace, action_digest, data)
+        return kind
 
     # -- GetActionResult ------------------------------------------------------------------
 
@@ -310,7 +370,7 @@ class ActionCache:
                 budget -= digest.size_bytes + 16
                 chosen.append((target, field, digest))
         contents = await asyncio.gather(*(read_blob(self.blobs, digest) for _, _, digest in chosen))
-        for (target, field, _), data in zip(chosen, contents):
+        for (target, field, _), data in zip(chosen, contents, strict=True):
             setattr(target, field, data)
 
     # -- UpdateActionResult ---------------------------------------------------------------
@@ -336,7 +396,7 @@ class ActionCache:
         """Store inlined stdout/stderr/file contents in the CAS and keep only their digests."""
         uploads: dict[Digest, bytes] = {}
 
-        def take(data: bytes, declared: re_pb2.Digest | None, has: bool, what: str) -> Digest:
+        def take(data: bytes, declared: re_pb2.Digest, has: bool, what: str) -> Digest:
             actual = Digest.of(data, function)
             if has and (declared.hash or declared.size_bytes):
                 claimed = Digest.from_proto(declared, function)
@@ -347,16 +407,17 @@ class ActionCache:
 
         if result.stdout_raw:
             digest = take(result.stdout_raw, result.stdout_digest, result.HasField("stdout_digest"), "stdout_raw")
-            result.stdout_digest.CopyFrom(digest.to_proto(re_pb2.Digest))
+            result.stdout_digest.CopyFrom(_digest_message(digest))
             result.ClearField("stdout_raw")
         if result.stderr_raw:
             digest = take(result.stderr_raw, result.stderr_digest, result.HasField("stderr_digest"), "stderr_raw")
-            result.stderr_digest.CopyFrom(digest.to_proto(re_pb2.Digest))
+            result.stderr_digest.CopyFrom(_digest_message(digest))
             result.ClearField("stderr_raw")
         for output in result.output_files:
             if output.contents:
-                digest = take(output.contents, output.digest, output.HasField("digest"), f"output file {output.path[:200]!r}")
-                output.digest.CopyFrom(digest.to_proto(re_pb2.Digest))
+                what = f"output file {output.path[:200]!r}"
+                digest = take(output.contents, output.digest, output.HasField("digest"), what)
+                output.digest.CopyFrom(_digest_message(digest))
                 output.ClearField("contents")
         for digest, data in uploads.items():
             if not is_empty(digest):

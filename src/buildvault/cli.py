@@ -57,15 +57,27 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(_flag(f.name), **kwargs)
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, recorded at install time)."""
+    import importlib.metadata
+
+    return importlib.metadata.version("buildvault")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients.")
+    parser = argparse.ArgumentParser(
+        prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     from buildvault.config import ENV_PREFIX
 
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
         help="run the cache server",
-        description="Run the cache server. Precedence: flags > BUILDVAULT_<NAME> environment > --config file > defaults.",
+        description=(
+            "Run the cache server. Precedence: flags > BUILDVAULT_<NAME> environment > --config file > defaults."
+        ),
     )
     serve.add_argument(
         "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"

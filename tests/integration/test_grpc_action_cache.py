@@ -6,7 +6,6 @@ import os
 
 import grpc
 import pytest
-
 from reapi_client import BLAKE3, SHA256, batch_update, blob, digest, precondition_violations, rich_status, write
 
 from buildvault.remote_apis import re_pb2
@@ -96,7 +95,9 @@ async def test_output_directory_completeness(stubs):
     tree = tree_with(files)
     tree_bytes = tree.SerializeToString()
     action = action_digest()
-    result = re_pb2.ActionResult(output_directories=[re_pb2.OutputDirectory(path="gen", tree_digest=digest(tree_bytes))])
+    result = re_pb2.ActionResult(
+        output_directories=[re_pb2.OutputDirectory(path="gen", tree_digest=digest(tree_bytes))]
+    )
     # the tree blob itself is missing
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await update(stubs, action, result)
@@ -252,7 +253,11 @@ async def test_symlinks_and_empty_outputs_are_fine(stubs):
     result = re_pb2.ActionResult(
         output_files=[re_pb2.OutputFile(path="empty", digest=digest(b""))],
         output_symlinks=[re_pb2.OutputSymlink(path="link", target="/usr/bin/gcc")],
-        output_directories=[re_pb2.OutputDirectory(path="", tree_digest=digest(re_pb2.Tree(root=re_pb2.Directory()).SerializeToString()))],
+        output_directories=[
+            re_pb2.OutputDirectory(
+                path="", tree_digest=digest(re_pb2.Tree(root=re_pb2.Directory()).SerializeToString())
+            )
+        ],
         exit_code=1,
     )
     tree = re_pb2.Tree(root=re_pb2.Directory()).SerializeToString()

@@ -7,7 +7,6 @@ import asyncio
 import grpc
 import pytest
 import zstandard
-
 from reapi_client import (
     BLAKE3,
     blob,
@@ -44,7 +43,8 @@ async def test_write_read_roundtrip(stubs, size, chunk):
 async def test_read_chunks_at_most_1mib(stubs):
     data = blob(3 * MiB + 17)
     await write(stubs, data, chunk=MiB)
-    sizes = [len(r.data) async for r in stubs.bytestream.Read(bs_pb2.ReadRequest(resource_name=read_name(digest(data))))]
+    request = bs_pb2.ReadRequest(resource_name=read_name(digest(data)))
+    sizes = [len(r.data) async for r in stubs.bytestream.Read(request)]
     assert max(sizes) <= MiB and sum(sizes) == len(data)
 
 
@@ -288,7 +288,8 @@ async def test_resume_after_broken_stream(stubs):
     status = await query(stubs, name)
     assert (status.committed_size, status.complete) == (sent, False)
     assert await missing(stubs, [d]) == {key(d)}
-    reply = await stubs.bytestream.Write(iterate(write_requests(name, data, chunk=300_000, start=status.committed_size)))
+    rest = write_requests(name, data, chunk=300_000, start=status.committed_size)
+    reply = await stubs.bytestream.Write(iterate(rest))
     assert reply.committed_size == len(data)
     assert await read(stubs, d) == data
 
@@ -376,6 +377,20 @@ async def test_zstd_bad_uploads(stubs):
             await stubs.bytestream.Write(iterate(write_requests(upload_name(d, compressed=True), payload)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert await missing(stubs, [d]) == {key(d)}
+
+
+async def test_zstd_decoder_seams_on_write(stubs):
+    """The shared zstd decoder through ByteStream.Write: a frame cut in the middle of the last
+    of several frames, or garbage after complete frames, is INVALID_ARGUMENT and stores nothing."""
+    data = blob(60_000) + b"r" * 200_000
+    d = digest(data)
+    c = zstandard.ZstdCompressor(write_content_size=False)
+    frames = c.compress(data[:100_000]) + c.compress(data[100_000:])
+    for payload in (frames[:-6], frames + b"garbage after the frames"):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stubs.bytestream.Write(iterate(write_requests(upload_name(d, compressed=True), payload, chunk=5000)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert await missing(stubs, [d]) == {key(d)}
 
 
 async def test_zstd_resumable_upload(stubs):

@@ -7,7 +7,6 @@ import os
 import grpc
 import pytest
 import zstandard
-
 from reapi_client import BLAKE3, SHA256, batch_update, blob, digest, key, missing
 
 from buildvault.remote_apis import re_pb2
@@ -91,7 +90,9 @@ async def test_blake3_digest_with_sha256_function_fails_only_that_blob(stubs):
 @pytest.mark.parametrize("function", [2, 3, 7, 8, 10, 99])
 async def test_unknown_digest_function_is_invalid_argument(stubs, function):
     calls = [
-        stubs.cas.FindMissingBlobs(re_pb2.FindMissingBlobsRequest(blob_digests=[digest(b"x")], digest_function=function)),
+        stubs.cas.FindMissingBlobs(
+            re_pb2.FindMissingBlobsRequest(blob_digests=[digest(b"x")], digest_function=function)
+        ),
         stubs.cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[digest(b"x")], digest_function=function)),
         stubs.cas.BatchUpdateBlobs(
             re_pb2.BatchUpdateBlobsRequest(requests=[Req(digest=digest(b"x"), data=b"x")], digest_function=function)
@@ -158,13 +159,33 @@ async def test_batch_update_zstd_that_expands_past_declared_size(stubs):
     assert reply.responses[0].status.code == INVALID_ARGUMENT
 
 
+async def test_batch_update_zstd_decoder_seams(stubs):
+    """The shared zstd decoder through BatchUpdateBlobs: several frames are one blob; truncated,
+    trailing garbage or more bytes than declared is INVALID_ARGUMENT for that blob alone."""
+    data = blob(40_000) + b"q" * 100_000
+    c = zstandard.ZstdCompressor(write_content_size=False)
+    frames = c.compress(data[:10]) + c.compress(data[10:60_000]) + c.compress(data[60_000:])
+    others = [blob(30_000) for _ in range(3)]
+    requests = [
+        Req(digest=digest(data), data=frames, compressor=ZSTD),
+        Req(digest=digest(others[0]), data=zstandard.ZstdCompressor().compress(others[0])[:-2], compressor=ZSTD),
+        Req(digest=digest(others[1]), data=zstandard.ZstdCompressor().compress(others[1]) + b"junk", compressor=ZSTD),
+        Req(digest=digest(others[2]), data=zstandard.ZstdCompressor().compress(others[2] + b"+"), compressor=ZSTD),
+    ]
+    reply = await stubs.cas.BatchUpdateBlobs(re_pb2.BatchUpdateBlobsRequest(requests=requests))
+    assert [r.status.code for r in reply.responses] == [0] + [INVALID_ARGUMENT] * 3
+    assert await missing(stubs, [digest(data), *map(digest, others)]) == {key(digest(d)) for d in others}
+    reply = await stubs.cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[digest(data)]))
+    assert reply.responses[0].data == data
+
+
 async def test_batch_read_zstd_when_acceptable(stubs):
     data = b"compressible " * 5000
     await batch_update(stubs, [data, b""])
     reply = await stubs.cas.BatchReadBlobs(
         re_pb2.BatchReadBlobsRequest(digests=[digest(data), digest(b"")], acceptable_compressors=[ZSTD])
     )
-    for response, original in zip(reply.responses, [data, b""]):
+    for response, original in zip(reply.responses, [data, b""], strict=True):
         assert response.status.code == 0 and response.compressor == ZSTD
         assert zstandard.ZstdDecompressor().decompress(response.data, max_output_size=len(original) + 1) == original
     assert len(reply.responses[0].data) < len(data) // 10
@@ -184,7 +205,9 @@ async def test_batch_limits(stubs):
     # one byte over is refused as a whole
     over = blobs + [b"x"]
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stubs.cas.BatchUpdateBlobs(re_pb2.BatchUpdateBlobsRequest(requests=[Req(digest=digest(b), data=b) for b in over]))
+        await stubs.cas.BatchUpdateBlobs(
+            re_pb2.BatchUpdateBlobsRequest(requests=[Req(digest=digest(b), data=b) for b in over])
+        )
     assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stubs.cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[digest(b) for b in over]))
@@ -206,7 +229,10 @@ async def test_batch_read_malformed_digest_is_per_blob(stubs):
 # -- GetTree ------------------------------------------------------------------------------------
 
 
-def _directory(files: dict[str, bytes] = {}, dirs: dict[str, re_pb2.Directory] = {}) -> re_pb2.Directory:
+def _directory(
+    files: dict[str, bytes] | None = None, dirs: dict[str, re_pb2.Directory] | None = None
+) -> re_pb2.Directory:
+    files, dirs = files or {}, dirs or {}
     return re_pb2.Directory(
         files=[re_pb2.FileNode(name=n, digest=digest(d)) for n, d in sorted(files.items())],
         directories=[
@@ -303,7 +329,9 @@ async def test_get_tree_page_bytes_and_sizes(stubs):
     """Many directories: the default page size and the per-page byte cap both hold."""
     leaves = [_directory({f"f{i}": os.urandom(8)}) for i in range(1500)]
     root = re_pb2.Directory(
-        directories=[re_pb2.DirectoryNode(name=f"d{i:04}", digest=digest(d.SerializeToString())) for i, d in enumerate(leaves)]
+        directories=[
+            re_pb2.DirectoryNode(name=f"d{i:04}", digest=digest(d.SerializeToString())) for i, d in enumerate(leaves)
+        ]
     )
     await _store_dirs(stubs, [root, *leaves])
     pages = await _get_tree(stubs, digest(root.SerializeToString()))

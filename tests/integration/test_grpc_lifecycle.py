@@ -14,7 +14,6 @@ import time
 
 import grpc
 import pytest
-
 from polling import wait_until
 from reapi_client import (
     CLIENT_OPTIONS,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import os
 import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -19,12 +19,12 @@ import aiohttp
 import grpc
 import pytest
 import zstandard
+from conftest import CLIENT_OPTIONS, make_stubs
 from prometheus_client.parser import text_string_to_metric_families
+from reapi_client import batch_update, digest, read, write
 from yarl import URL
 
-from conftest import CLIENT_OPTIONS, make_stubs
-from reapi_client import batch_update, digest, read, write
-from buildvault.remote_apis import bs_pb2, re_pb2
+from buildvault.remote_apis import re_pb2
 from buildvault.server.http import HttpListener, ccache_key_to_hash, create_app, parse_cache_path
 from buildvault.server.metrics import Metrics
 from buildvault.storage import StorageFull
@@ -60,10 +60,12 @@ class Fresh:
 @pytest.fixture
 async def fresh(buildvault_server):
     """A server of the test's own (exact counts, restarts): its HTTP client and gRPC stubs."""
-    async with session_for(buildvault_server) as session:
-        async with grpc.aio.insecure_channel(buildvault_server.grpc_address, options=CLIENT_OPTIONS) as channel:
-            await channel.channel_ready()
-            yield Fresh(buildvault_server, session, make_stubs(channel))
+    async with (
+        session_for(buildvault_server) as session,
+        grpc.aio.insecure_channel(buildvault_server.grpc_address, options=CLIENT_OPTIONS) as channel,
+    ):
+        await channel.channel_ready()
+        yield Fresh(buildvault_server, session, make_stubs(channel))
 
 
 async def put(session: aiohttp.ClientSession, path: str, data: bytes, **kwargs) -> aiohttp.ClientResponse:
@@ -125,7 +127,7 @@ async def test_cas_put_hash_mismatch_stores_nothing(http, stubs):
 
 
 async def test_empty_blob_always_present(http):
-    status, body, response = await get(http, f"/cas/{EMPTY}")
+    status, body, _ = await get(http, f"/cas/{EMPTY}")
     assert (status, body) == (200, b"")
     async with http.head(f"/cas/{EMPTY}") as response:
         assert response.status == 200
@@ -261,6 +263,51 @@ async def test_put_zstd_errors(http):
     response = await put(http, f"/cas/{sha(data)}", data, headers={"Content-Encoding": "gzip"})
     assert response.status == 415
     assert (await get(http, f"/cas/{sha(data)}"))[0] == 404
+
+
+async def test_put_zstd_cas_decoder_seams(http):
+    """The shared zstd decoder through HTTP: frames, truncation, trailing garbage, output past the size."""
+    data = os.urandom(70_000) + b"x" * 500_000
+    sized = {"Content-Encoding": "zstd", "X-Digest-SizeBytes": str(len(data))}
+    c = zstandard.ZstdCompressor(write_content_size=False)
+    three_frames = c.compress(data[:1000]) + c.compress(data[1000:300_000]) + c.compress(data[300_000:])
+    for bad in (
+        three_frames[:-3],  # ends inside the last frame
+        three_frames + b"trailing junk",  # garbage after complete frames
+        zstandard.ZstdCompressor().compress(data + b"one byte more"),  # decodes past X-Digest-SizeBytes
+    ):
+        assert (await put(http, f"/cas/{sha(data)}", bad, headers=sized)).status == 400
+        assert (await get(http, f"/cas/{sha(data)}"))[0] == 404  # nothing stored
+    assert (await put(http, f"/cas/{sha(data)}", three_frames, headers=sized)).status == 200
+    assert (await get(http, f"/cas/{sha(data)}"))[1] == data
+
+
+async def test_put_zstd_ac_decoder_seams():
+    """zstd action entries: several frames are one entry; truncated or garbage is 400; past the
+    entry limit once decoded is 413; a refused PUT stores nothing."""
+    limit = 64 << 10
+    listener = HttpListener("127.0.0.1:0", create_app(MemoryBlobStore(), MemoryActionStore(), max_entry_size=limit))
+    await listener.start()
+    zstd = {"Content-Encoding": "zstd"}
+    entry = b"\xff" + os.urandom(20_000)  # not an ActionResult: a raw entry
+    c = zstandard.ZstdCompressor()
+    try:
+        async with aiohttp.ClientSession(f"http://{listener.address}", auto_decompress=False) as session:
+            for bad, status in (
+                (c.compress(entry)[:-4], 400),  # truncated
+                (b"not zstd" * 100, 400),  # garbage
+                (c.compress(entry) + b"junk", 400),  # trailing garbage
+                (c.compress(b"\0" * (limit + 1)), 413),  # tiny on the wire, over the limit decoded
+            ):
+                assert (await put(session, f"/ac/{sha(b'key')}", bad, headers=zstd)).status == status, bad[:20]
+                assert (await get(session, f"/ac/{sha(b'key')}"))[0] == 404
+            two_frames = c.compress(entry[:5000]) + c.compress(entry[5000:])
+            assert (await put(session, f"/ac/{sha(b'key')}", two_frames, headers=zstd)).status == 200
+            assert (await get(session, f"/ac/{sha(b'key')}"))[1] == entry
+            exactly = c.compress(b"\xff" * limit)  # at the limit is fine
+            assert (await put(session, f"/ac/{sha(b'max')}", exactly, headers=zstd)).status == 200
+    finally:
+        await listener.stop(1)
 
 
 # -- action entries ----------------------------------------------------------------------------

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from buildvault.actions import ActionCache, InvalidActionResult, MissingBlobs, find_missing, is_empty, read_blob
+from buildvault.actions import (
+    ActionCache,
+    EntryKind,
+    InvalidActionResult,
+    MissingBlobs,
+    find_missing,
+    is_empty,
+    read_blob,
+)
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import NotFound, ac_namespace
@@ -80,7 +88,9 @@ async def test_update_reports_every_missing_blob(cache, stores):
 async def test_get_hides_results_whose_blobs_vanished(cache, stores):
     blobs, _ = stores
     await put(blobs, b"out", b"err")
-    result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="o", digest=pd(b"out"))], stderr_digest=pd(b"err"))
+    result = re_pb2.ActionResult(
+        output_files=[re_pb2.OutputFile(path="o", digest=pd(b"out"))], stderr_digest=pd(b"err")
+    )
     await cache.update("", ACTION, result)
     drop(blobs, b"err")
     with pytest.raises(NotFound):
@@ -133,7 +143,8 @@ async def test_tree_that_is_not_a_tree(cache, stores):
 
 async def test_tree_with_bad_file_digest(cache, stores):
     blobs, _ = stores
-    tree = re_pb2.Tree(root=re_pb2.Directory(files=[re_pb2.FileNode(name="f", digest=re_pb2.Digest(hash="x", size_bytes=1))]))
+    bad_file = re_pb2.FileNode(name="f", digest=re_pb2.Digest(hash="x", size_bytes=1))
+    tree = re_pb2.Tree(root=re_pb2.Directory(files=[bad_file]))
     await put(blobs, tree.SerializeToString())
     result = re_pb2.ActionResult(
         output_directories=[re_pb2.OutputDirectory(path="o", tree_digest=pd(tree.SerializeToString()))]
@@ -216,9 +227,15 @@ async def test_update_moves_raw_bytes_into_the_cas(cache, stores):
     "result,error",
     [
         (re_pb2.ActionResult(stdout_raw=b"abc", stdout_digest=pd(b"abd")), InvalidActionResult),
-        (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", contents=b"a", digest=pd(b"b"))]), InvalidActionResult),
+        (
+            re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", contents=b"a", digest=pd(b"b"))]),
+            InvalidActionResult,
+        ),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f")]), InvalidDigest),
-        (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", digest=re_pb2.Digest(hash="z" * 64))]), InvalidDigest),
+        (
+            re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", digest=re_pb2.Digest(hash="z" * 64))]),
+            InvalidDigest,
+        ),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="/abs", digest=pd(b""))]), InvalidActionResult),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="a//b", digest=pd(b""))]), InvalidActionResult),
         (re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="a/", digest=pd(b""))]), InvalidActionResult),
@@ -295,3 +312,75 @@ async def test_read_blob_guards_size(stores):
 def test_missing_blobs_message():
     error = MissingBlobs([Digest.of(bytes([i])) for i in range(5)])
     assert "5 referenced blob(s)" in str(error) and "and 2 more" in str(error)
+
+
+# -- entries as bytes (bazel-remote HTTP PUT/GET /ac/) ----------------------------------------------
+
+SHA = DigestFunction.SHA256
+
+
+def result_bytes(*outputs: bytes) -> bytes:
+    result = re_pb2.ActionResult(
+        output_files=[re_pb2.OutputFile(path=f"out{i}", digest=pd(data)) for i, data in enumerate(outputs)]
+    )
+    return result.SerializeToString()
+
+
+async def test_classify_entry(cache, stores):
+    blobs, _ = stores
+    await put(blobs, b"present")
+    assert await cache.classify_entry(result_bytes(b"present"), SHA) is EntryKind.COMPLETE
+    assert await cache.classify_entry(result_bytes(b"present", b"absent"), SHA) is EntryKind.INCOMPLETE
+    assert await cache.classify_entry(b"\xff\xfe not a protobuf", SHA) is EntryKind.OPAQUE
+    bad_path = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="/abs", digest=pd(b"present"))])
+    assert await cache.classify_entry(bad_path.SerializeToString(), SHA) is EntryKind.OPAQUE
+    bad_digest = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="x", digest=re_pb2.Digest(hash="zz"))])
+    assert await cache.classify_entry(bad_digest.SerializeToString(), SHA) is EntryKind.OPAQUE
+
+
+async def test_store_entry_puts_complete_results_where_grpc_reads_them(cache, stores):
+    blobs, actions = stores
+    await put(blobs, b"present")
+    complete = result_bytes(b"present")
+    assert await cache.store_entry("i", ACTION, complete) is EntryKind.COMPLETE
+    assert await actions.get(ac_namespace("i"), ACTION) == complete  # byte-for-byte
+    assert (await cache.get("i", ACTION)).output_files[0].path == "out0"  # what GetActionResult serves
+    with pytest.raises(NotFound):
+        await actions.get(ac_namespace("i", "raw"), ACTION)
+
+
+@pytest.mark.parametrize("kind", ["opaque", "incomplete"])
+async def test_store_entry_keeps_everything_else_raw(cache, stores, kind):
+    _, actions = stores
+    data = b"\xff\xfe a ccache entry" if kind == "opaque" else result_bytes(b"not uploaded yet")
+    assert (await cache.store_entry("i", ACTION, data)).value == kind
+    assert await actions.get(ac_namespace("i", "raw"), ACTION) == data
+    with pytest.raises(NotFound):
+        await actions.get(ac_namespace("i"), ACTION)
+    with pytest.raises(NotFound):
+        await cache.get("i", ACTION)  # gRPC never sees raw entries
+
+
+async def test_lookup_entry(cache, stores):
+    blobs, _ = stores
+    assert await cache.lookup_entry("i", ACTION) is None
+    await cache.store_entry("i", ACTION, b"\xff raw bytes")
+    assert await cache.lookup_entry("i", ACTION) == b"\xff raw bytes"
+    assert await cache.lookup_entry("other", ACTION) is None  # instances are apart
+    early = result_bytes(b"late blob")
+    await cache.store_entry("i", ACTION, early)  # raw: its blob is not there yet
+    assert await cache.lookup_entry("i", ACTION) is None  # never served incomplete
+    await put(blobs, b"late blob")
+    assert await cache.lookup_entry("i", ACTION) == early  # complete now
+
+
+async def test_lookup_entry_prefers_a_complete_real_entry_and_hides_a_broken_one(cache, stores):
+    blobs, _ = stores
+    await put(blobs, b"out")
+    real = result_bytes(b"out")
+    await cache.store_entry("i", ACTION, real)
+    assert await cache.lookup_entry("i", ACTION) == real
+    drop(blobs, b"out")
+    assert await cache.lookup_entry("i", ACTION) is None  # its blob is gone: a miss
+    await cache.store_entry("i", ACTION, b"\xff opaque replacement")  # lands in raw
+    assert await cache.lookup_entry("i", ACTION) == b"\xff opaque replacement"

@@ -9,6 +9,7 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from buildvault.actions import InvalidActionResult, MissingBlobs
+from buildvault.compression import CompressionError, Reason
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.server import errors
 from buildvault.storage import (
@@ -43,6 +44,10 @@ S = grpc.StatusCode
         (errors.ResourceExhausted("x"), S.RESOURCE_EXHAUSTED, 413),
         (errors.Aborted("x"), S.ABORTED, 409),
         (errors.ServiceUnavailable("x"), S.UNAVAILABLE, 503),
+        (CompressionError(Reason.MALFORMED, "not zstd"), S.INVALID_ARGUMENT, 400),
+        (CompressionError(Reason.TRUNCATED, "ended inside a frame"), S.INVALID_ARGUMENT, 400),
+        (CompressionError(Reason.OVER_DECLARED_SIZE, "longer than declared", 10), S.INVALID_ARGUMENT, 400),
+        (CompressionError(Reason.TOO_LARGE, "over the entry limit", 10), S.RESOURCE_EXHAUSTED, 413),
         (RuntimeError("a bug"), S.INTERNAL, 500),
         (KeyError("k"), S.INTERNAL, 500),
     ],
@@ -77,7 +82,7 @@ def test_rpc_status():
 
 def test_grpc_and_rpc_code_numbers_agree():
     for code in S:
-        if code.name in code_pb2.Code.keys():
+        if code.name in code_pb2.Code.keys():  # noqa: SIM118 - an EnumTypeWrapper, not a dict
             assert code.value[0] == code_pb2.Code.Value(code.name)
 
 
@@ -123,3 +128,9 @@ def test_abort_sends_code_message_and_details():
     with pytest.raises(grpc.aio.AbortError):
         asyncio.run(errors.abort(context, InvalidDigest("nope")))
     assert context.aborted == (S.INVALID_ARGUMENT, "nope", ())
+
+
+def test_every_compression_reason_has_a_status():
+    for reason in Reason:
+        mapped = errors.map_exception(CompressionError(reason, "x"))
+        assert mapped.code is not S.INTERNAL and 400 <= mapped.http < 500, reason

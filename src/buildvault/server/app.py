@@ -5,8 +5,9 @@
     app.grpc_address           # "127.0.0.1:43121": the bound address
     await app.stop(grace=10)   # stop accepting, let in-flight RPCs finish, close stores
 
-Each front end is a `Listener` (start / stop / address) built from the shared `Services`;
-the HTTP front end is added to `App._build_listeners` next to the gRPC one.
+Each front end is a `Listener` (start / stop / address, server/services.py) built from the
+shared `Services`: `GrpcListener` (server/grpc/listener.py) and `HttpListener`
+(server/http/listener.py), assembled in `App._build_listeners`.
 """
 
 from __future__ import annotations
@@ -14,24 +15,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import grpc
+from typing import Any
 
 from buildvault import logs
 from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.config import Settings
-from buildvault.remote_apis import bs_grpc, re_grpc
-from buildvault.server.grpc import MAX_MESSAGE_SIZE, server_options
-from buildvault.server.grpc.action_cache import ActionCacheService
-from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, ByteStreamService, Uploads
-from buildvault.server.grpc.capabilities import CapabilitiesService
-from buildvault.server.grpc.cas import CasService
+from buildvault.server.grpc import MAX_MESSAGE_SIZE
+from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
+from buildvault.server.grpc.listener import GrpcListener
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
 from buildvault.server.pins import PinningActionStore, PinRegistry
+from buildvault.server.services import Listener, Services, StartupError
 from buildvault.storage import ActionStore, BlobStore, StorageError
+
+__all__ = ["VERSION", "App", "Listener", "Services", "StartupError"]
 
 log = logging.getLogger("buildvault.app")
 
@@ -39,84 +37,8 @@ try:
     from importlib.metadata import version as _dist_version
 
     VERSION = _dist_version("buildvault")
-except Exception:  # noqa: BLE001 - running from a bare checkout
+except Exception:  # running from a bare checkout
     VERSION = "dev"
-
-
-class StartupError(RuntimeError):
-    """The server could not start (address in use, data dir locked, ...)."""
-
-
-class Listener(Protocol):
-    """A front end serving the shared stores."""
-
-    name: str
-
-    @property
-    def address(self) -> str | None: ...
-
-    async def start(self) -> None: ...
-
-    async def stop(self, grace: float) -> None: ...
-
-
-@dataclass
-class Services:
-    """What every front end serves: the stores and the semantics layered over them."""
-
-    blobs: BlobStore
-    actions: ActionStore
-    action_cache: ActionCache
-    uploads: Uploads
-    max_cas_blob_size: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _format_address(host: str, port: int) -> str:
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-class GrpcListener:
-    """The REAPI v2 cache services (Capabilities, CAS, ActionCache) and ByteStream."""
-
-    name = "grpc"
-
-    def __init__(self, address: str, services: Services) -> None:
-        self.requested = address
-        self.services = services
-        self._server: grpc.aio.Server | None = None
-        self._address: str | None = None
-
-    @property
-    def address(self) -> str | None:
-        return self._address
-
-    async def start(self) -> None:
-        s = self.services
-        metrics = s.extra.get("metrics")
-        interceptors = [metrics.grpc_interceptor()] if metrics is not None else []
-        server = grpc.aio.server(options=server_options(), interceptors=interceptors)
-        re_grpc.add_CapabilitiesServicer_to_server(CapabilitiesService(s.max_cas_blob_size), server)
-        re_grpc.add_ContentAddressableStorageServicer_to_server(CasService(s.blobs), server)
-        re_grpc.add_ActionCacheServicer_to_server(ActionCacheService(s.action_cache), server)
-        bs_grpc.add_ByteStreamServicer_to_server(ByteStreamService(s.blobs, s.uploads), server)
-        host, _, _ = self.requested.rpartition(":")
-        try:
-            port = server.add_insecure_port(self.requested)
-        except RuntimeError as e:
-            raise StartupError(f"cannot listen on {self.requested} (gRPC): {e}") from None
-        if not port:
-            raise StartupError(f"cannot listen on {self.requested} (gRPC)")
-        await server.start()
-        self._server = server
-        self._address = _format_address(host.strip("[]"), port)
-
-    async def stop(self, grace: float) -> None:
-        # May be called again with a shorter grace while a first stop is waiting.
-        if self._server is not None:
-            await self._server.stop(grace)
 
 
 class App:
@@ -169,8 +91,11 @@ class App:
                 actions=actions,
                 action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE),
                 uploads=Uploads(blobs, grace=self.upload_grace),
+                metrics=self.metrics,
+                version=VERSION,
                 max_cas_blob_size=self._max_blob_size(),
-                extra={"metrics": self.metrics, "pins": self._pins.listing if self._pins else None},
+                storage_stats=self._storage_stats or getattr(self._given[0], "stats", None),
+                pins=self._pins.listing if self._pins else None,
             )
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
@@ -186,10 +111,7 @@ class App:
         if self.settings.grpc_address:
             listeners.append(GrpcListener(self.settings.grpc_address, services))
         if self.settings.http_address:
-            stats = self._storage_stats or getattr(self._given[0], "stats", None)
-            listeners.append(
-                HttpListener.from_services(self.settings.http_address, services, self.metrics, VERSION, stats=stats)
-            )
+            listeners.append(HttpListener.from_services(self.settings.http_address, services))
         return listeners
 
     async def stop(self, grace: float = 10.0) -> None:
@@ -201,7 +123,7 @@ class App:
         for close in reversed(closers):
             try:
                 await close()
-            except Exception:  # noqa: BLE001 - keep closing the rest
+            except Exception:  # keep closing the rest
                 log.exception("error while closing a store")
 
     async def hurry(self) -> None:
@@ -263,7 +185,7 @@ class App:
         logs.banner(lines)
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -14,9 +14,10 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.actions import InvalidActionResult, MissingBlobs
+from buildvault.compression import CompressionError, Reason
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import (
     CapacityExceeded,
@@ -109,6 +110,16 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, int], ...] = (
 )
 
 
+# A refused compressed payload (gRPC compressed-blobs, HTTP Content-Encoding), by reason. Output
+# past the declared size is a digest mismatch (400); past a server limit it is too large (413).
+_COMPRESSION: dict[Reason, tuple[grpc.StatusCode, int]] = {
+    Reason.MALFORMED: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    Reason.TRUNCATED: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    Reason.OVER_DECLARED_SIZE: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    Reason.TOO_LARGE: (grpc.StatusCode.RESOURCE_EXHAUSTED, 413),
+}
+
+
 def blob_subject(digest: Digest) -> str:
     """`blobs/{digest_function/}{hash}/{size}`: the PreconditionFailure subject of a missing blob.
 
@@ -142,6 +153,9 @@ def map_exception(exc: BaseException) -> Mapped:
     """The status an exception stands for. Unknown exceptions are INTERNAL (and a bug)."""
     if isinstance(exc, RequestError):
         return Mapped(exc.code, exc.http, _message(exc))
+    if isinstance(exc, CompressionError):
+        code, http = _COMPRESSION[exc.reason]
+        return Mapped(code, http, _message(exc))
     for cls, code, http in _TABLE:
         if isinstance(exc, cls):
             details: tuple[any_pb2.Any, ...] = ()
@@ -174,7 +188,7 @@ def trailing_metadata(mapped: Mapped) -> tuple[tuple[str, bytes], ...]:
     return ((STATUS_DETAILS_KEY, mapped.to_status().SerializeToString()),)
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> NoReturn:
     """End the RPC with the status `exc` maps to (and its rich details, if any)."""
     mapped = map_exception(exc)
     if mapped.code is grpc.StatusCode.INTERNAL:

@@ -2,7 +2,8 @@
 
 Every handler validates its request, calls storage (or `buildvault.actions`), and lets
 exceptions travel to `rpc()`, which maps them through `buildvault.server.errors` and writes
-the per-request log line. No bad input escapes as UNKNOWN or INTERNAL.
+the per-request log line. No bad input escapes as UNKNOWN or INTERNAL. zstd lives in
+`buildvault.compression`; the listener that serves these services is `server/grpc/listener.py`.
 """
 
 from __future__ import annotations
@@ -14,16 +15,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-import zstandard
-
-from buildvault.compression import ZSTD_LEVEL, offload
 
 from buildvault import logs
 from buildvault.server import errors
-from buildvault.storage import DigestMismatch
 
 __all__ = [
     "MAX_BATCH_TOTAL_SIZE",
+    "Context",
     "MAX_MESSAGE_SIZE",
     "READ_CHUNK_SIZE",
     "rpc",
@@ -41,6 +39,8 @@ MAX_MESSAGE_SIZE = MAX_BATCH_TOTAL_SIZE + (4 << 20)
 READ_CHUNK_SIZE = 1 << 20
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+# The servicer context every handler receives (its request/response types do not matter here).
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def server_options() -> list[tuple[str, Any]]:
@@ -64,7 +64,7 @@ def rpc(name: str) -> Callable[[F], F]:
 
     def decorate(method: F) -> F:
         @functools.wraps(method)
-        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def wrapper(self: Any, request: Any, context: Context) -> Any:
             token = logs.begin_request()
             started = time.perf_counter()
             code = "OK"
@@ -76,7 +76,7 @@ def rpc(name: str) -> Callable[[F], F]:
             except grpc.aio.AbortError:
                 code = _code_name(context)
                 raise
-            except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
+            except Exception as exc:  # the one place exceptions become statuses
                 code = errors.map_exception(exc).code.name
                 await errors.abort(context, exc)
             finally:
@@ -88,77 +88,16 @@ def rpc(name: str) -> Callable[[F], F]:
     return decorate
 
 
-def _code_name(context: grpc.aio.ServicerContext) -> str:
+def _code_name(context: Context) -> str:
     try:
         code = context.code()
         return code.name if isinstance(code, grpc.StatusCode) else str(code)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return "ABORTED"
 
 
-def _peer(context: grpc.aio.ServicerContext) -> str | None:
+def _peer(context: Context) -> str | None:
     try:
         return context.peer()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
-
-
-# -- zstd, shared by CAS batches and ByteStream -------------------------------------------------
-
-
-
-def zstd_compress(data: bytes) -> bytes:
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
-
-
-def zstd_decompress(data: bytes, size: int) -> bytes:
-    """Decompress a whole zstd payload that must yield exactly `size` bytes (memory bounded by `size`)."""
-    sink = _Sink(size)
-    try:
-        with zstandard.ZstdDecompressor().stream_writer(sink, write_size=READ_CHUNK_SIZE, closefd=False) as writer:
-            writer.write(data)
-    except zstandard.ZstdError as e:
-        raise errors.InvalidArgument(f"invalid zstd data: {e}") from None
-    out = sink.take()
-    if sink.total != size:
-        raise DigestMismatch(f"zstd data decompresses to {sink.total} bytes, declared {size}")
-    return out[0] if len(out) == 1 else b"".join(out)
-
-
-class _Sink:
-    """Collects decompressed output; refuses to grow past the declared size."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.total = 0
-        self.parts: list[bytes] = []
-
-    def write(self, data: Any) -> int:
-        self.total += len(data)
-        if self.total > self.limit:
-            raise DigestMismatch(f"zstd data decompresses to more than the declared {self.limit} bytes")
-        self.parts.append(bytes(data))
-        return len(data)
-
-    def take(self) -> list[bytes]:
-        parts, self.parts = self.parts, []
-        return parts
-
-
-async def zstd_decompress_stream(chunks: Any, size: int) -> Any:
-    """Async-iterate the decompressed bytes of a zstd stream arriving as `chunks`.
-
-    Output beyond the declared `size` is refused as soon as it appears; big input pieces are
-    decompressed in a worker thread.
-    """
-    sink = _Sink(size)
-    writer = zstandard.ZstdDecompressor().stream_writer(sink, write_size=READ_CHUNK_SIZE, closefd=False)
-    try:
-        async for piece in chunks:
-            await offload(writer.write, piece)
-            for out in sink.take():
-                yield out
-    except zstandard.ZstdError as e:
-        raise errors.InvalidArgument(f"invalid zstd data: {e}") from None
-
-

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import grpc
-
 from buildvault import logs
 from buildvault.actions import ActionCache
 from buildvault.digest import Digest, DigestFunction, verify_instance_name
 from buildvault.remote_apis import re_pb2
-from buildvault.server.grpc import rpc
+from buildvault.server.grpc import Context, rpc
 
 
 def _action(request: re_pb2.GetActionResultRequest | re_pb2.UpdateActionResultRequest) -> tuple[str, Digest]:
@@ -27,7 +25,7 @@ class ActionCacheService:
 
     @rpc("GetActionResult")
     async def GetActionResult(
-        self, request: re_pb2.GetActionResultRequest, context: grpc.aio.ServicerContext
+        self, request: re_pb2.GetActionResultRequest, context: Context
     ) -> re_pb2.ActionResult:
         instance_name, digest = _action(request)
         return await self.cache.get(
@@ -40,7 +38,7 @@ class ActionCacheService:
 
     @rpc("UpdateActionResult")
     async def UpdateActionResult(
-        self, request: re_pb2.UpdateActionResultRequest, context: grpc.aio.ServicerContext
+        self, request: re_pb2.UpdateActionResultRequest, context: Context
     ) -> re_pb2.ActionResult:
         instance_name, digest = _action(request)
         return await self.cache.update(instance_name, digest, request.action_result)

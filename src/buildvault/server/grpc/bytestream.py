@@ -22,15 +22,13 @@ import collections
 import logging
 from collections.abc import AsyncIterator
 
-import grpc
-
 from buildvault import logs
 from buildvault.actions import find_missing, is_empty
+from buildvault.compression import zstd_compress_stream, zstd_decompress_stream
 from buildvault.digest import ResourceName, parse_read_resource, parse_write_resource
 from buildvault.remote_apis import bs_pb2
 from buildvault.server import errors
-from buildvault.compression import zstd_compress_stream
-from buildvault.server.grpc import READ_CHUNK_SIZE, rpc, zstd_decompress_stream
+from buildvault.server.grpc import READ_CHUNK_SIZE, Context, rpc
 from buildvault.storage import BlobStore, InvalidRange, StorageError
 
 log = logging.getLogger("buildvault.bytestream")
@@ -50,12 +48,16 @@ class UploadAborted(StorageError):
     """The upload was abandoned (no resumption within the grace period, or shutdown)."""
 
 
-def _upload_key(resource: ResourceName) -> tuple:
+# An upload's identity: instance, upload id, compressor, storage key and size.
+UploadKey = tuple[str, str | None, str | None, str, int]
+
+
+def _upload_key(resource: ResourceName) -> UploadKey:
     digest = resource.digest
     return (resource.instance_name, resource.upload_id, resource.compressor, digest.key, digest.size_bytes)
 
 
-def _settle(future: asyncio.Future | None, result: object = None, error: BaseException | None = None) -> None:
+def _settle(future: asyncio.Future[object] | None, result: object = None, error: BaseException | None = None) -> None:
     if future is not None and not future.done():
         if error is not None:
             future.set_exception(error)
@@ -72,7 +74,7 @@ class Upload:
     source waits for the next stream to attach; `abort()` cancels the store write instead.
     """
 
-    def __init__(self, manager: Uploads, key: tuple, resource: ResourceName, name: str) -> None:
+    def __init__(self, manager: Uploads, key: UploadKey, resource: ResourceName, name: str) -> None:
         self.manager = manager
         self.key = key
         self.resource = resource
@@ -83,8 +85,8 @@ class Upload:
         self.finishing = False
         self.early = False  # the store had the blob before this upload sent everything
         self._stream: tuple[bs_pb2.WriteRequest, AsyncIterator[bs_pb2.WriteRequest]] | None = None
-        self._outcome: asyncio.Future | None = None
-        self._waiter: asyncio.Future | None = None
+        self._outcome: asyncio.Future[object] | None = None
+        self._waiter: asyncio.Future[object] | None = None
         self._expiry: asyncio.TimerHandle | None = None
         source: AsyncIterator[bytes] = self._source()
         if resource.compressor == "zstd":
@@ -121,7 +123,7 @@ class Upload:
                         request = await iterator.__anext__()
                     except StopAsyncIteration:
                         raise
-                    except Exception as e:  # noqa: BLE001 - a broken transport, not bad data
+                    except Exception as e:  # a broken transport, not bad data
                         log.debug("Write stream for %s broke: %r", self.digest, e)
                         raise StopAsyncIteration from None
             except StopAsyncIteration:
@@ -133,7 +135,7 @@ class Upload:
                 _settle(outcome, error=e)
                 raise
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[None]) -> None:
         self._cancel_expiry()
         self.manager._forget(self)
         if task.cancelled():
@@ -154,7 +156,9 @@ class Upload:
             return self.committed
         return -1 if self.resource.compressor is not None else self.digest.size_bytes
 
-    def attach(self, first: bs_pb2.WriteRequest, iterator: AsyncIterator[bs_pb2.WriteRequest]) -> asyncio.Future:
+    def attach(
+        self, first: bs_pb2.WriteRequest, iterator: AsyncIterator[bs_pb2.WriteRequest]
+    ) -> asyncio.Future[object]:
         """Feed the upload from this stream; the future says how the stream ended."""
         self._cancel_expiry()
         self.attached = True
@@ -200,26 +204,26 @@ class Uploads:
     def __init__(self, blobs: BlobStore, grace: float = DEFAULT_UPLOAD_GRACE) -> None:
         self.blobs = blobs
         self.grace = grace
-        self._active: dict[tuple, Upload] = {}
-        self._completed: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+        self._active: dict[UploadKey, Upload] = {}
+        self._completed: collections.OrderedDict[UploadKey, int] = collections.OrderedDict()
 
-    def get(self, key: tuple) -> Upload | None:
+    def get(self, key: UploadKey) -> Upload | None:
         return self._active.get(key)
 
-    def start(self, key: tuple, resource: ResourceName, name: str) -> Upload:
+    def start(self, key: UploadKey, resource: ResourceName, name: str) -> Upload:
         upload = Upload(self, key, resource, name)
         self._active[key] = upload
         self._completed.pop(key, None)
         return upload
 
-    def completed(self, key: tuple) -> int | None:
+    def completed(self, key: UploadKey) -> int | None:
         return self._completed.get(key)
 
     def _forget(self, upload: Upload) -> None:
         if self._active.get(upload.key) is upload:
             del self._active[upload.key]
 
-    def _remember(self, key: tuple, committed: int) -> None:
+    def _remember(self, key: UploadKey, committed: int) -> None:
         self._completed[key] = committed
         self._completed.move_to_end(key)
         while len(self._completed) > COMPLETED_MEMORY:
@@ -249,7 +253,7 @@ class ByteStreamService:
         return not await find_missing(self.blobs, [resource.digest])
 
     @rpc("Read")
-    async def Read(self, request: bs_pb2.ReadRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Read(self, request: bs_pb2.ReadRequest, context: Context) -> None:
         resource = parse_read_resource(request.resource_name)
         digest = resource.digest
         offset, limit = request.read_offset, request.read_limit
@@ -291,7 +295,9 @@ class ByteStreamService:
         logs.note(bytes=sent)
 
     @rpc("Write")
-    async def Write(self, requests: AsyncIterator[bs_pb2.WriteRequest], context: grpc.aio.ServicerContext):
+    async def Write(
+        self, requests: AsyncIterator[bs_pb2.WriteRequest], context: Context
+    ) -> bs_pb2.WriteResponse:
         iterator = requests.__aiter__()
         try:
             first = await iterator.__anext__()
@@ -338,7 +344,7 @@ class ByteStreamService:
 
     @rpc("QueryWriteStatus")
     async def QueryWriteStatus(
-        self, request: bs_pb2.QueryWriteStatusRequest, context: grpc.aio.ServicerContext
+        self, request: bs_pb2.QueryWriteStatusRequest, context: Context
     ) -> bs_pb2.QueryWriteStatusResponse:
         resource = parse_write_resource(request.resource_name)
         key = _upload_key(resource)

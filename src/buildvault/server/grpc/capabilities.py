@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import grpc
+from typing import cast
 
 from buildvault.digest import DigestFunction, verify_instance_name
 from buildvault.remote_apis import re_pb2, semver_pb2
-from buildvault.server.grpc import MAX_BATCH_TOTAL_SIZE, rpc
+from buildvault.server.grpc import MAX_BATCH_TOTAL_SIZE, Context, rpc
 
 LOW_API_VERSION = (2, 0)
 HIGH_API_VERSION = (2, 3)
@@ -16,7 +16,7 @@ def cache_capabilities(max_cas_blob_size: int = 0) -> re_pb2.CacheCapabilities:
     # IDENTITY is implied by the spec; listing it too helps clients that look for it.
     compressors = [re_pb2.Compressor.IDENTITY, re_pb2.Compressor.ZSTD]
     return re_pb2.CacheCapabilities(
-        digest_functions=[function.wire for function in DigestFunction],
+        digest_functions=[cast("re_pb2.DigestFunction.Value", function.wire) for function in DigestFunction],
         action_cache_update_capabilities=re_pb2.ActionCacheUpdateCapabilities(update_enabled=True),
         max_batch_total_size_bytes=MAX_BATCH_TOTAL_SIZE,
         symlink_absolute_path_strategy=re_pb2.SymlinkAbsolutePathStrategy.ALLOWED,
@@ -42,7 +42,7 @@ class CapabilitiesService:
 
     @rpc("GetCapabilities")
     async def GetCapabilities(
-        self, request: re_pb2.GetCapabilitiesRequest, context: grpc.aio.ServicerContext
+        self, request: re_pb2.GetCapabilitiesRequest, context: Context
     ) -> re_pb2.ServerCapabilities:
         verify_instance_name(request.instance_name)
         return self._response

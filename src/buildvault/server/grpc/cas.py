@@ -9,22 +9,18 @@ import operator
 import zlib
 from collections import deque
 from collections.abc import Sequence
+from typing import cast
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from buildvault import logs
 from buildvault.actions import is_empty, read_blob
+from buildvault.compression import offload, zstd_compress, zstd_decompress_whole
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, all_hashes, verify_instance_name
 from buildvault.remote_apis import re_pb2
 from buildvault.server import errors
-from buildvault.server.grpc import (
-    MAX_BATCH_TOTAL_SIZE,
-    offload,
-    rpc,
-    zstd_compress,
-    zstd_decompress,
-)
+from buildvault.server.grpc import MAX_BATCH_TOTAL_SIZE, Context, rpc
 from buildvault.storage import BlobStore, NotFound
 
 IDENTITY = re_pb2.Compressor.IDENTITY
@@ -66,7 +62,7 @@ def _fields(messages: Sequence[re_pb2.Digest], function: DigestFunction) -> tupl
     hashes = list(map(_get_hash, items))
     sizes = list(map(_get_size, items))
     if hashes and not (all_hashes(hashes) and min(sizes) >= 0):
-        for h, s in zip(hashes, sizes):  # something is malformed: let Digest.parse name it
+        for h, s in zip(hashes, sizes, strict=True):  # something is malformed: let Digest.parse name it
             Digest.parse(h, s, function)
     return hashes, sizes
 
@@ -74,7 +70,7 @@ def _fields(messages: Sequence[re_pb2.Digest], function: DigestFunction) -> tupl
 def parse_digests(messages: Sequence[re_pb2.Digest], function: DigestFunction) -> list[Digest]:
     """Validate and convert many Digest messages: one check over all hashes, then no per-item checks."""
     hashes, sizes = _fields(messages, function)
-    return [_digest(h, s, function) for h, s in zip(hashes, sizes)]
+    return [_digest(h, s, function) for h, s in zip(hashes, sizes, strict=True)]
 
 
 class CasService:
@@ -86,7 +82,7 @@ class CasService:
 
     @rpc("FindMissingBlobs")
     async def FindMissingBlobs(
-        self, request: re_pb2.FindMissingBlobsRequest, context: grpc.aio.ServicerContext
+        self, request: re_pb2.FindMissingBlobsRequest, context: Context
     ) -> re_pb2.FindMissingBlobsResponse:
         verify_instance_name(request.instance_name)
         function = DigestFunction.from_wire(request.digest_function)
@@ -101,7 +97,7 @@ class CasService:
 
     @rpc("BatchUpdateBlobs")
     async def BatchUpdateBlobs(
-        self, request: re_pb2.BatchUpdateBlobsRequest, context: grpc.aio.ServicerContext
+        self, request: re_pb2.BatchUpdateBlobsRequest, context: Context
     ) -> re_pb2.BatchUpdateBlobsResponse:
         verify_instance_name(request.instance_name)
         function = DigestFunction.from_wire(request.digest_function)
@@ -119,14 +115,14 @@ class CasService:
             try:
                 items.append((Digest.from_proto(entry.digest, function), await self._uncompressed(entry)))
                 where.append(i)
-            except Exception as exc:  # noqa: BLE001 - per-blob status
+            except Exception as exc:  # per-blob status
                 outcomes[i] = exc
-        for i, outcome in zip(where, await self.blobs.write_blobs(items)):  # one store call for the batch
+        for i, outcome in zip(where, await self.blobs.write_blobs(items), strict=True):  # one store call for the batch
             outcomes[i] = outcome
         failed = 0
         response = re_pb2.BatchUpdateBlobsResponse()
         add = response.responses.add
-        for entry, outcome in zip(entries, outcomes):
+        for entry, outcome in zip(entries, outcomes, strict=True):
             if outcome is None:
                 add(digest=entry.digest)  # an unset status is OK (code 0)
             else:
@@ -146,12 +142,12 @@ class CasService:
                     f"blob {entry.digest.hash}/{entry.digest.size_bytes} is too large for a compressed batch entry; "
                     "use ByteStream.Write"
                 )
-            return await offload(zstd_decompress, entry.data, entry.digest.size_bytes)
+            return await zstd_decompress_whole(entry.data, entry.digest.size_bytes)
         raise errors.InvalidArgument(f"unsupported compressor {entry.compressor}; this server supports zstd")
 
     @rpc("BatchReadBlobs")
     async def BatchReadBlobs(
-        self, request: re_pb2.BatchReadBlobsRequest, context: grpc.aio.ServicerContext
+        self, request: re_pb2.BatchReadBlobsRequest, context: Context
     ) -> re_pb2.BatchReadBlobsResponse:
         verify_instance_name(request.instance_name)
         function = DigestFunction.from_wire(request.digest_function)
@@ -167,25 +163,25 @@ class CasService:
         wanted: list[Digest] = []
         where: list[int] = []
         try:
-            digests: list[Digest | None] = parse_digests(messages, function)  # all valid: the usual case
+            digests: Sequence[Digest | None] = parse_digests(messages, function)  # all valid: the usual case
         except InvalidDigest:
             digests = [None] * len(messages)
-        for i, (message, digest) in enumerate(zip(messages, digests)):
+        for i, (message, digest) in enumerate(zip(messages, digests, strict=True)):
             if digest is None:
                 try:
                     digest = Digest.from_proto(message, function)
-                except Exception as exc:  # noqa: BLE001 - per-blob status
+                except Exception as exc:  # per-blob status
                     outcomes[i] = exc
                     continue
             if digest.size_bytes or not is_empty(digest):  # the empty blob is always present, stored or not
                 wanted.append(digest)
                 where.append(i)
-        for i, outcome in zip(where, await self.blobs.read_blobs(wanted)):  # one store call for the batch
+        for i, outcome in zip(where, await self.blobs.read_blobs(wanted), strict=True):  # one store call for the batch
             outcomes[i] = outcome
         logs.note(blobs=len(messages), bytes=total)
         response = re_pb2.BatchReadBlobsResponse()
         add = response.responses.add
-        for message, outcome in zip(messages, outcomes):
+        for message, outcome in zip(messages, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 if errors.is_internal(outcome):
                     errors.log.error("BatchReadBlobs: internal error on one blob", exc_info=outcome)
@@ -197,17 +193,14 @@ class CasService:
         return response
 
     @rpc("GetTree")
-    async def GetTree(self, request: re_pb2.GetTreeRequest, context: grpc.aio.ServicerContext) -> None:
+    async def GetTree(self, request: re_pb2.GetTreeRequest, context: Context) -> None:
         verify_instance_name(request.instance_name)
         function = DigestFunction.from_wire(request.digest_function)
         root = Digest.from_proto(request.root_digest, function)
         if request.page_size < 0:
             raise errors.InvalidArgument(f"page_size {request.page_size} is negative")
         page_size = min(request.page_size or DEFAULT_TREE_PAGE, MAX_TREE_PAGE)
-        if request.page_token:
-            queue = deque(_decode_token(request.page_token, root))
-        else:
-            queue = deque([root])
+        queue = deque(_decode_token(request.page_token, root) if request.page_token else [root])
         seen: set[Digest] = set(queue)
         first_call = not request.page_token
         page: list[re_pb2.Directory] = []
@@ -225,7 +218,7 @@ class CasService:
             take = min(TREE_READ_PARALLELISM, page_size - len(page), len(queue))
             batch = [queue.popleft() for _ in range(take)]
             blobs = await asyncio.gather(*(read_blob(self.blobs, d) for d in batch), return_exceptions=True)
-            for index, (digest, data) in enumerate(zip(batch, blobs)):
+            for index, (digest, data) in enumerate(zip(batch, blobs, strict=True)):
                 if isinstance(data, BaseException):
                     if not isinstance(data, NotFound):
                         raise data
@@ -257,10 +250,10 @@ class CasService:
             await flush([])
         logs.note(root=str(root), directories=directories, pages=pages)
 
-    async def SplitBlob(self, request: re_pb2.SplitBlobRequest, context: grpc.aio.ServicerContext) -> None:
+    async def SplitBlob(self, request: re_pb2.SplitBlobRequest, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SplitBlob is not supported (split_blob_support=false)")
 
-    async def SpliceBlob(self, request: re_pb2.SpliceBlobRequest, context: grpc.aio.ServicerContext) -> None:
+    async def SpliceBlob(self, request: re_pb2.SpliceBlobRequest, context: Context) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SpliceBlob is not supported (splice_blob_support=false)")
 
 
@@ -269,7 +262,7 @@ def _encode_token(pending: list[Digest], root: Digest) -> str:
     state = re_pb2.FindMissingBlobsRequest(
         instance_name=f"{root.hash}/{root.size_bytes}",
         blob_digests=[re_pb2.Digest(hash=d.hash, size_bytes=d.size_bytes) for d in pending],
-        digest_function=root.function.wire,
+        digest_function=cast("re_pb2.DigestFunction.Value", root.function.wire),
     )
     packed = zlib.compress(state.SerializeToString(), 6)
     return _TOKEN_PREFIX + base64.urlsafe_b64encode(packed).decode("ascii")

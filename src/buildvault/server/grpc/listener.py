@@ -1,0 +1,66 @@
+"""The gRPC front end: one grpc.aio server carrying Capabilities, CAS, ActionCache and ByteStream."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from buildvault.remote_apis import bs_grpc, re_grpc
+from buildvault.server.grpc import server_options
+from buildvault.server.grpc.action_cache import ActionCacheService
+from buildvault.server.grpc.bytestream import ByteStreamService
+from buildvault.server.grpc.capabilities import CapabilitiesService
+from buildvault.server.grpc.cas import CasService
+from buildvault.server.services import Services, StartupError, format_address
+
+__all__ = ["GrpcListener"]
+
+# The generated `add_*_to_server` functions carry no annotations: typed here, once.
+_Register = Callable[[Any, grpc.aio.Server], None]
+_add_capabilities: _Register = re_grpc.add_CapabilitiesServicer_to_server
+_add_cas: _Register = re_grpc.add_ContentAddressableStorageServicer_to_server
+_add_action_cache: _Register = re_grpc.add_ActionCacheServicer_to_server
+_add_bytestream: _Register = bs_grpc.add_ByteStreamServicer_to_server
+
+
+class GrpcListener:
+    """The REAPI v2 cache services (Capabilities, CAS, ActionCache) and ByteStream on `address`.
+
+    Port 0 binds any free port; `address` then reports the bound one."""
+
+    name = "grpc"
+
+    def __init__(self, address: str, services: Services) -> None:
+        self.requested = address
+        self.services = services
+        self._server: grpc.aio.Server | None = None
+        self._address: str | None = None
+
+    @property
+    def address(self) -> str | None:
+        return self._address
+
+    async def start(self) -> None:
+        s = self.services
+        server = grpc.aio.server(options=server_options(), interceptors=[s.metrics.grpc_interceptor()])
+        _add_capabilities(CapabilitiesService(s.max_cas_blob_size), server)
+        _add_cas(CasService(s.blobs), server)
+        _add_action_cache(ActionCacheService(s.action_cache), server)
+        _add_bytestream(ByteStreamService(s.blobs, s.uploads), server)
+        host, _, _ = self.requested.rpartition(":")
+        try:
+            port = server.add_insecure_port(self.requested)
+        except RuntimeError as e:
+            raise StartupError(f"cannot listen on {self.requested} (gRPC): {e}") from None
+        if not port:
+            raise StartupError(f"cannot listen on {self.requested} (gRPC)")
+        await server.start()
+        self._server = server
+        self._address = format_address(host, port)
+
+    async def stop(self, grace: float) -> None:
+        # May be called again with a shorter grace while a first stop is waiting.
+        if self._server is not None:
+            await self._server.stop(grace)

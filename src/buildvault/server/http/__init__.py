@@ -1,0 +1,19 @@
+"""The bazel-remote HTTP protocol, /status and /metrics, on aiohttp in the server's event loop.
+
+Endpoints (see docs/http.md): `GET|HEAD|PUT /{instance…}/cas/{sha256}` (CAS blobs),
+`GET|HEAD|PUT /{instance…}/ac/{sha256}` and ccache's `layout=subdirs`/`layout=flat` paths
+(action entries), `GET /status` (JSON), `GET /` and `/status.html` (HTML), `GET /metrics`.
+
+The package, by job:
+
+- routes.py     the URL grammar: CachePath, ccache keys
+- protocol.py   HTTP-level rules: headers, body framing, errors as responses
+- handlers.py   GET/HEAD/PUT of /ac/ and /cas/
+- status.py     the status document, its HTML page, /metrics
+- listener.py   the aiohttp app, its middleware, the App listener
+"""
+
+from buildvault.server.http.listener import HttpListener, create_app
+from buildvault.server.http.routes import CachePath, ccache_key_to_hash, parse_cache_path
+
+__all__ = ["CachePath", "HttpListener", "ccache_key_to_hash", "create_app", "parse_cache_path"]

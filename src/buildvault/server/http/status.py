@@ -1,0 +1,158 @@
+"""The status document (`GET /status`, JSON), the same as a small HTML page (`/`, `/status.html`),
+and `GET /metrics` (Prometheus text format).
+
+The document carries buildvault's own field names and, for tools written against bazel-remote,
+bazel-remote's (`CurrSize`, `MaxSize`, `NumFiles`, `ServerTime`, `GitCommit`).
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from buildvault.server.http.protocol import REQUEST_KIND
+from buildvault.server.metrics import Metrics
+from buildvault.server.services import PinsSource, StatsSource
+
+__all__ = ["StatusPages", "render_html"]
+
+log = logging.getLogger("buildvault.http")
+
+
+class StatusPages:
+    """The /status, /status.html, / and /metrics handlers over one Metrics and a store stats source."""
+
+    def __init__(self, metrics: Metrics, version: str, stats: StatsSource | None = None) -> None:
+        self.metrics = metrics
+        self.version = version
+        self.stats_source = stats
+        self.pins: PinsSource | None = None  # golden versions (server/pins.py)
+
+    async def refresh_storage(self) -> None:
+        """Update the storage gauges from the store's stats (if there is a source)."""
+        if self.stats_source is None:
+            return
+        try:
+            stats = self.stats_source()
+            if inspect.isawaitable(stats):
+                stats = await stats
+        except Exception:  # /status must answer even if a store cannot tell
+            log.warning("storage stats failed", exc_info=True)
+            return
+        self.metrics.set_storage(stats)
+
+    async def status_document(self) -> dict[str, Any]:
+        """The /status JSON object: sizes, counts, uptime and AC hit/miss counts by protocol."""
+        await self.refresh_storage()
+        s = self.metrics.storage
+        counts = self.metrics.ac_counts()
+        return {
+            "version": self.version,
+            "uptime_seconds": round(self.metrics.uptime_seconds, 3),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.metrics.started)),
+            "current_size_bytes": s.used_bytes,
+            "max_size_bytes": s.max_bytes,
+            "blob_count": s.blob_count,
+            "ac_entries": s.ac_entries,
+            "evictions": s.evictions,
+            "oldest_item_age_seconds": s.oldest_item_age_seconds,
+            "ac_hits": counts["hits"]["total"],
+            "ac_misses": counts["misses"]["total"],
+            "ac_hits_by_protocol": {k: v for k, v in counts["hits"].items() if k != "total"},
+            "ac_misses_by_protocol": {k: v for k, v in counts["misses"].items() if k != "total"},
+            # bazel-remote's field names, for tools written against its /status.
+            "CurrSize": s.used_bytes,
+            "MaxSize": s.max_bytes,
+            "NumFiles": s.blob_count,
+            "ServerTime": int(time.time()),
+            "GitCommit": self.version,
+            "pins": self.pins() if self.pins is not None else [],
+        }
+
+    async def status_json(self, request: web.Request) -> web.Response:
+        request[REQUEST_KIND] = "status"
+        return web.json_response(await self.status_document(), dumps=lambda d: json.dumps(d, indent=2) + "\n")
+
+    async def status_html(self, request: web.Request) -> web.Response:
+        request[REQUEST_KIND] = "status"
+        return web.Response(text=render_html(await self.status_document()), content_type="text/html")
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        request[REQUEST_KIND] = "metrics"
+        await self.refresh_storage()
+        response = web.Response(body=self.metrics.render())
+        response.headers["Content-Type"] = self.metrics.content_type
+        return response
+
+
+def _human_bytes(value: Any) -> str:
+    if value is None:
+        return "–"
+    n = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(value)  # pragma: no cover
+
+
+def _human_seconds(value: Any) -> str:
+    if value is None:
+        return "–"
+    seconds = int(value)
+    days, seconds = divmod(seconds, 86400)
+    hours, seconds = divmod(seconds, 3600)
+    minutes, seconds = divmod(seconds, 60)
+    parts = [f"{days}d"] if days else []
+    parts += [f"{hours}h"] if hours or days else []
+    parts += [f"{minutes}m", f"{seconds}s"]
+    return " ".join(parts)
+
+
+def _count(value: Any) -> str:
+    return "–" if value is None else f"{value:,}"
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    """The status document as a small self-contained HTML page."""
+    hits, misses = doc["ac_hits"], doc["ac_misses"]
+    ratio = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "–"
+    used, cap = doc["current_size_bytes"], doc["max_size_bytes"]
+    fill = f" ({100.0 * used / cap:.1f}%)" if used is not None and cap else ""
+    rows = [
+        ("Version", doc["version"]),
+        ("Uptime", _human_seconds(doc["uptime_seconds"])),
+        ("Disk used", _human_bytes(used) + fill),
+        ("Disk limit", _human_bytes(cap)),
+        ("CAS blobs", _count(doc["blob_count"])),
+        ("Action entries", _count(doc["ac_entries"])),
+        ("Evictions", _count(doc["evictions"])),
+        ("Oldest item", _human_seconds(doc["oldest_item_age_seconds"])),
+        ("AC hits", f"{hits:,}"),
+        ("AC misses", f"{misses:,}"),
+        ("AC hit ratio", ratio),
+        ("Pinned versions", ", ".join(f"{p['name']}/{p['label']}" for p in doc.get("pins", [])) or "–"),
+    ]
+    body = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>buildvault status</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}
+table{{border-collapse:collapse}}th,td{{padding:.3em 1em;border-bottom:1px solid #ddd;text-align:left}}
+th{{font-weight:600;color:#555}}td{{font-variant-numeric:tabular-nums}}
+footer{{margin-top:1.5em;color:#777;font-size:.9em}}
+</style></head>
+<body><h1>buildvault</h1>
+<table>
+{body}
+</table>
+<footer><a href="/status">/status</a> (JSON) · <a href="/metrics">/metrics</a> (Prometheus)</footer>
+</body></html>
+"""
