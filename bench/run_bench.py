@@ -93,7 +93,7 @@ def main() -> int:
         print(json.dumps(row))
     else:
         for k, v in row.items():
-            print(f"{k:24} {v}")
+            print(f"{k:32} {v}")
     return 0
 
 
