@@ -6,7 +6,8 @@ Starts its own buildvault server on loopback, stores the step once (SAVED), then
 `--repeat` hits with the outputs deleted before each (so every hit restores all 5): the wall
 time of the whole `buildvault run` process (start-up, key, lookup, restore). Also times
 `python -c pass`, `buildvault --help` and the imports of the hit path (grpc, protobuf) alone,
-to show how much of a hit is start-up.
+and the same hits inside this process (no start-up, imports loaded), to show how much of a hit
+is start-up.
 """
 
 from __future__ import annotations
@@ -47,6 +48,35 @@ def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
     return took, proc.stdout
 
 
+def hits_in_process(run_args: list[str], step: Path, env: dict[str, str], repeat: int) -> list[float]:
+    """The same hits run inside this (already started, imports loaded) process: what a hit costs
+    without interpreter start-up and imports (key, lookup, restore; a new channel each time)."""
+    import contextlib
+    import io
+
+    from buildvault.client.run.command import run_main
+
+    took = []
+    here = os.getcwd()
+    saved = dict(os.environ)
+    os.environ.update(env)
+    os.chdir(step)
+    try:
+        for _ in range(repeat):
+            shutil.rmtree(step / "out")
+            out = io.StringIO()
+            start = time.perf_counter()
+            with contextlib.redirect_stdout(out):
+                code = run_main(run_args)
+            took.append(time.perf_counter() - start)
+            assert code == 0 and "[buildvault] HIT" in out.getvalue(), out.getvalue()
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+    return took
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=40)
@@ -73,6 +103,7 @@ def main() -> int:
             took, out = timed(argv, step, env)
             assert "[buildvault] HIT" in out, out
             hits.append(took)
+        in_process = hits_in_process(argv[2:], step, env, args.repeat)
         python = [timed([sys.executable, "-c", "pass"], step, env)[0] for _ in range(10)]
         cli = [timed([str(BUILDVAULT), "--help"], step, env)[0] for _ in range(10)]
         imports = [timed([sys.executable, "-c", "import buildvault.client.run.step"], step, env)[0] for _ in range(10)]
@@ -81,6 +112,8 @@ def main() -> int:
             "inputs": 20, "outputs": 5, "repeat": args.repeat,
             "hit_p50_ms": round(statistics.median(hits) * 1000, 1),
             "hit_p95_ms": round(percentile(hits, 95) * 1000, 1),
+            "in_process_hit_p50_ms": round(statistics.median(in_process) * 1000, 1),
+            "in_process_hit_p95_ms": round(percentile(in_process, 95) * 1000, 1),
             "python_startup_p50_ms": round(statistics.median(python) * 1000, 1),
             "buildvault_help_p50_ms": round(statistics.median(cli) * 1000, 1),
             "python_plus_step_imports_p50_ms": round(statistics.median(imports) * 1000, 1),
