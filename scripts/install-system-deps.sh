@@ -19,6 +19,7 @@ PACKAGES=(
   make
   libc6-dev
   ninja-build       # the CMake generator the launcher tests and bench use
+  git               # buildvault artifact: the key tree follows git ls-files (tests/run)
 )
 
 missing=()

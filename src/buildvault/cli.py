@@ -1,6 +1,9 @@
 """The `buildvault` command.
 
     buildvault serve [--config FILE] [--dir DIR] [--max-size SIZE] [--grpc-address HOST:PORT] ...
+    buildvault run [options] -- CMD ...      one build step through the cache (client/run/)
+    buildvault cmake-module-path             where buildvault.cmake is
+    buildvault artifact push|pull|pin|unpin|pins ...   whole-build artifacts, golden versions
 
 Every Settings field is a flag, generated from the field's metadata (parser, help, metavar),
 so flags, BUILDVAULT_<NAME> variables and TOML keys can never drift apart. Precedence:
@@ -14,16 +17,14 @@ upload publishes nothing. A second signal cuts the grace period short.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.metadata
 import os
-import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from buildvault import logs
-from buildvault.config import ENV_PREFIX, ConfigError, Settings, load_settings
+# asyncio, logs and config load on use: `buildvault run` is started once per build step.
+if TYPE_CHECKING:
+    from buildvault.config import Settings
 
 # Seconds in-flight requests get to finish after SIGTERM/SIGINT.
 SHUTDOWN_GRACE = 20.0
@@ -35,6 +36,8 @@ def _flag(name: str) -> str:
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; unset flags stay None so lower layers show through."""
+    from buildvault.config import ENV_PREFIX, Settings
+
     for f in Settings.fields():
         help_text = f.metadata.get("help", "")
         default = f.default
@@ -56,6 +59,8 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 def version() -> str:
     """The installed distribution's version (pyproject.toml's, recorded at install time)."""
+    import importlib.metadata
+
     return importlib.metadata.version("buildvault")
 
 
@@ -64,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    from buildvault.config import ENV_PREFIX
+
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
@@ -76,15 +83,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
     )
     add_settings_flags(serve)
+    from buildvault.client.run.command import add_run_parser
+
+    add_run_parser(commands)
+    from buildvault.client.run.artifact_cli import add_artifact_parser
+
+    add_artifact_parser(commands)
     return parser
 
 
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
+    from buildvault.config import Settings, load_settings
+
     flags = {f.name: getattr(args, f.name, None) for f in Settings.fields()}
     return load_settings(flags, os.environ if env is None else env, args.config)
 
 
 async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
+    import asyncio
+    import signal
+
+    from buildvault import logs
     from buildvault.server.app import App, StartupError
 
     app = App(settings)
@@ -124,8 +143,30 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["run"]:  # the per-step path: no server modules, no settings
+        from buildvault.client.run.command import run_main
+
+        return run_main(words[1:])
+    import asyncio
+
+    from buildvault import logs
+    from buildvault.config import ConfigError
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from buildvault.client.run.command import main_run
+
+        return main_run(args)
+    if args.command == "artifact":
+        from buildvault.client.run.artifact import main_artifact
+
+        return main_artifact(args)
+    if args.command == "cmake-module-path":
+        from buildvault.client.run.command import main_cmake_module_path
+
+        return main_cmake_module_path()
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
 from buildvault.server.grpc.listener import GrpcListener
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
+from buildvault.server.pins import PinningActionStore, PinRegistry
 from buildvault.server.services import Listener, Services, StartupError
 from buildvault.storage import ActionStore, BlobStore, StorageError
 
@@ -62,6 +63,7 @@ class App:
         # Owned by this App (not the global registry): two servers in one process count apart.
         self.metrics = Metrics(version=VERSION)
         self._storage_stats: Any = None
+        self._pins: PinRegistry | None = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class App:
                 version=VERSION,
                 max_cas_blob_size=self._max_blob_size(),
                 storage_stats=self._storage_stats or getattr(self._given[0], "stats", None),
+                pins=self._pins.listing if self._pins else None,
             )
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
@@ -166,6 +169,10 @@ class App:
                 blobs, actions = tier.cas, tier.ac
                 where = self.settings.s3_endpoint or "AWS"
                 self._store_label += f" + bucket {self.settings.s3_bucket} at {where}"
+        # Golden versions: the disk store's eviction skips what the pin indexes reach.
+        self._pins = PinRegistry(blobs, storage.protect)
+        actions = PinningActionStore(actions, self._pins)
+        await self._pins.load(actions)
         return blobs, actions
 
     def _banner(self) -> None:

@@ -17,10 +17,11 @@ from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.metrics import Metrics
 from buildvault.storage import ActionStore, BlobStore
 
-__all__ = ["Listener", "Services", "StartupError", "StatsSource", "format_address"]
+__all__ = ["Listener", "PinsSource", "Services", "StartupError", "StatsSource", "format_address"]
 
 # Returns a store stats object or mapping (for /status and the storage gauges), or an awaitable of one.
 StatsSource = Callable[[], Any]
+PinsSource = Callable[[], list[dict[str, str]]]  # pins as the status pages list them
 
 
 class StartupError(RuntimeError):
@@ -59,6 +60,7 @@ class Services:
     # The largest blob the store accepts (advertised by Capabilities, enforced by HTTP PUT); 0: no limit.
     max_cas_blob_size: int = 0
     storage_stats: StatsSource | None = None
+    pins: PinsSource | None = None  # the pinned versions, for the status pages (server/pins.py)
 
 
 def format_address(host: str, port: int) -> str:

@@ -129,6 +129,7 @@ class HttpListener:
             max_blob_size=services.max_cas_blob_size or None,
             version=services.version,
         )
+        app[STATUS_KEY].pins = services.pins
         return cls(address, app)
 
     @property

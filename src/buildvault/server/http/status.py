@@ -18,7 +18,7 @@ from aiohttp import web
 
 from buildvault.server.http.protocol import REQUEST_KIND
 from buildvault.server.metrics import Metrics
-from buildvault.server.services import StatsSource
+from buildvault.server.services import PinsSource, StatsSource
 
 __all__ = ["StatusPages", "render_html"]
 
@@ -32,6 +32,7 @@ class StatusPages:
         self.metrics = metrics
         self.version = version
         self.stats_source = stats
+        self.pins: PinsSource | None = None  # golden versions (server/pins.py)
 
     async def refresh_storage(self) -> None:
         """Update the storage gauges from the store's stats (if there is a source)."""
@@ -71,6 +72,7 @@ class StatusPages:
             "NumFiles": s.blob_count,
             "ServerTime": int(time.time()),
             "GitCommit": self.version,
+            "pins": self.pins() if self.pins is not None else [],
         }
 
     async def status_json(self, request: web.Request) -> web.Response:
@@ -135,6 +137,7 @@ def render_html(doc: dict[str, Any]) -> str:
         ("AC hits", f"{hits:,}"),
         ("AC misses", f"{misses:,}"),
         ("AC hit ratio", ratio),
+        ("Pinned versions", ", ".join(f"{p['name']}/{p['label']}" for p in doc.get("pins", [])) or "–"),
     ]
     body = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f"""<!DOCTYPE html>

@@ -53,6 +53,7 @@ class Index:
         "ac_published",
         "unsynced",
         "tracking",
+        "protected",
         "clock",
         "_tick",
     )
@@ -70,6 +71,7 @@ class Index:
         self.ac_published = 0  # AC publishes so far: a read that raced one is not cached
         self.unsynced = False  # something was published since the last sync point
         self.tracking: set[bytes] | None = None  # dirs whose entries changed during a checkpoint
+        self.protected: set[bytes] = set()  # pinned entries: eviction never picks them
         self.clock = clock
         self._tick = int(clock())
 
@@ -121,14 +123,14 @@ class Index:
             self.tracking.add(dir_id(key))
 
     def evict(self, need: int, busy: Container[bytes]) -> list[bytes]:
-        """Forget least recently used entries (skipping `busy` ones) until `need` bytes are freed;
+        """Forget least recently used entries (skipping `busy` and protected ones) until `need` bytes are freed;
         return them: their files are the caller's to delete."""
         victims: list[bytes] = []
         freed = 0
         for key in self.entries:
             if freed >= need:
                 break
-            if key in busy:  # an AC entry being replaced is about to become the newest
+            if key in busy or key in self.protected:  # busy: an AC entry being replaced becomes the newest
                 continue
             victims.append(key)
             freed += self.entry_size(key)

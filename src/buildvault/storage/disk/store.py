@@ -10,20 +10,22 @@ docs/architecture.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from buildvault.digest import Digest, DigestFunction
+from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import StorageError
 from buildvault.storage.disk import findmissing, layout, snapshot, startup
 from buildvault.storage.disk.accache import AcCache
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
 from buildvault.storage.disk.index import DiskStats
+from buildvault.storage.disk.layout import cas_key
 from buildvault.storage.disk.reads import Reader
 from buildvault.storage.disk.writes import Writer
 
@@ -233,6 +235,18 @@ class DiskStorage:
         if self._closed:
             raise StorageError("disk store is closed")
         await self._syncer.sync()
+
+    def protect(self, blobs: Iterable[Digest], actions: Iterable[tuple[str, Digest]]) -> None:
+        """Replace the set of entries eviction must skip (pinned versions: their blobs and action
+        entries). Entries not stored yet are protected once they are."""
+        keys: set[bytes] = set()
+        for digest in blobs:
+            with contextlib.suppress(InvalidDigest):
+                keys.add(cas_key(digest))
+        for namespace, digest in actions:
+            with contextlib.suppress(InvalidDigest):
+                keys.add(self._core.ac_keys.key(namespace, digest))
+        self._core.index.protected = keys
 
     # -- observables -----------------------------------------------------------------------
 

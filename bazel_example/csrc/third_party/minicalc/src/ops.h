@@ -1,0 +1,3 @@
+#pragma once
+int minicalc_add(int a, int b);
+int minicalc_mul(int a, int b);

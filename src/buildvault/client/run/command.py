@@ -1,0 +1,54 @@
+"""`buildvault run` and `buildvault cmake-module-path`: argument handling; the work is in step.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from .spec import SpecError, add_arguments, spec_from_args
+
+CMAKE_MODULE_DIR = Path(__file__).resolve().parent.parent.parent / "cmake"
+
+
+def add_run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    run = commands.add_parser(
+        "run",
+        help="run one build step through the cache",
+        description="Run CMD as one cached build step: its key is an REAPI Action of the declared inputs, "
+                    "recipe, environment and toolchain; a hit restores the outputs and replays the output.",
+    )
+    add_arguments(run)
+    run.add_argument("--summary", nargs="+", metavar="LOG", help="print totals of BUILDVAULT_EVENT_LOG files and exit")
+    commands.add_parser("cmake-module-path", help="print the directory holding buildvault.cmake")
+
+
+def main_run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    from ..summary import main as summary_main
+
+    if args.summary:
+        return summary_main(list(args.summary))
+    env = os.environ if env is None else env
+    try:
+        spec = spec_from_args(args, env, os.getcwd())
+    except SpecError as e:
+        print(f"buildvault run: {e}", file=sys.stderr)
+        return 2
+    from .step import run_step
+
+    return run_step(spec, env)
+
+
+def run_main(argv: list[str]) -> int:
+    """`buildvault run ARGS` parsed by its own parser (what `buildvault` does for `run`)."""
+    parser = argparse.ArgumentParser(prog="buildvault run")
+    commands = parser.add_subparsers(dest="command")
+    add_run_parser(commands)
+    return main_run(parser.parse_args(["run", *argv]))
+
+
+def main_cmake_module_path() -> int:
+    print(CMAKE_MODULE_DIR)
+    return 0 if (CMAKE_MODULE_DIR / "buildvault.cmake").is_file() else 1

@@ -1,0 +1,142 @@
+"""The options of `buildvault run` and the StepSpec they describe.
+
+Configuration comes from the same variables as buildvault-cc (BUILDVAULT_REMOTE,
+BUILDVAULT_INSTANCE, BUILDVAULT_WRITER, BUILDVAULT_TIMEOUT, BUILDVAULT_ROOTS,
+BUILDVAULT_EVENT_LOG); flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_EXCLUDES = (".git", "__pycache__", "*.pyc", "*.log", "*.tmp")
+# How long an identical step running elsewhere on this machine is waited for before this one runs uncached.
+DEFAULT_LOCK_TIMEOUT = 600.0
+
+
+class SpecError(ValueError):
+    """The options do not describe a step (message says which option and why)."""
+
+
+@dataclass
+class StepSpec:
+    argv: list[str]
+    workdir: str
+    name: str = ""
+    inputs: list[str] = field(default_factory=list)
+    excludes: list[str] = field(default_factory=lambda: list(DEFAULT_EXCLUDES))
+    recipe_files: list[str] = field(default_factory=list)
+    recipe_values: list[str] = field(default_factory=list)
+    env: list[tuple[str, str]] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    toolchain_files: list[str] = field(default_factory=list)
+    platform: list[tuple[str, str]] = field(default_factory=list)
+    roots: list[str] = field(default_factory=list)  # --normalize-root values: DIR or NAME=DIR
+    outputs: list[str] = field(default_factory=list)
+    output_dir: str | None = None
+    remote: str = ""
+    instance: str = ""
+    writer: bool = False
+    timeout: float = 5.0
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+    event_log: str = ""
+    disabled: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.name or os.path.basename(self.argv[0])
+
+
+def parse_platform(text: str) -> list[tuple[str, str]]:
+    """`soc=ascend910b1,cann=8.0.RC3` -> [(name, value)]; every item must be NAME=VALUE."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise SpecError(f"--platform {item!r}: want NAME=VALUE")
+        out.append((name.strip(), value.strip()))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--name", default="", help="step name on the status line and in the event log (default: the command)")
+    a("--input", action="append", default=[], metavar="PATH", help="input file or directory (repeatable)")
+    a("--exclude", action="append", default=None, metavar="GLOB",
+      help=f"left out when walking input directories (repeatable; default: {' '.join(DEFAULT_EXCLUDES)})")
+    a("--recipe-file", action="append", default=[], metavar="PATH", help="script or options file of the recipe")
+    a("--recipe-value", action="append", default=[], metavar="TEXT", help="a recipe value that joins the key")
+    a("--env", action="append", default=[], metavar="NAME=VALUE", help="set for the command and part of the key")
+    a("--tool", action="append", default=[], metavar="NAME", help="tool on PATH whose --version output joins the key")
+    a("--toolchain-file", action="append", default=[], metavar="PATH", help="toolchain file hashed into the key")
+    a("--platform", action="append", default=[], metavar="NAME=VALUE,...",
+      help="platform properties (soc=...,cann=...)")
+    a("--normalize-root", action="append", default=[], metavar="[NAME=]DIR",
+      help="another root replaced by a placeholder in the key (the source and build roots always are)")
+    a("--workdir", default=None, metavar="DIR", help="where the command runs (default: the current directory)")
+    a("--output", action="append", default=[], metavar="PATH", help="output file or directory (repeatable)")
+    a("--output-dir", default=None, metavar="DIR", help="outputs: what the command creates or changes in DIR")
+    a("--remote", default=None, help="grpc://host:port (default: BUILDVAULT_REMOTE)")
+    a("--instance", default=None, help="REAPI instance name (default: BUILDVAULT_INSTANCE)")
+    a("--writer", action=argparse.BooleanOptionalAction, default=None,
+      help="store results on a miss (default: BUILDVAULT_WRITER=1)")
+    a("--lock-timeout", type=float, default=None, metavar="SECONDS",
+      help=f"wait this long for an identical step on this machine (default {DEFAULT_LOCK_TIMEOUT:g})")
+    a("step_command", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command and its arguments")
+
+
+def spec_from_args(args: argparse.Namespace, env: Mapping[str, str], cwd: str) -> StepSpec:
+    argv = list(args.step_command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise SpecError("no command: buildvault run [options] -- CMD ARGS...")
+    workdir = os.path.abspath(os.path.join(cwd, args.workdir or "."))
+    if not os.path.isdir(workdir):
+        raise SpecError(f"--workdir {args.workdir}: not a directory")
+    if not args.output and not args.output_dir:
+        raise SpecError("no outputs: give --output PATH or --output-dir DIR")
+    if args.output and args.output_dir:
+        raise SpecError("give --output or --output-dir, not both")
+    pairs = []
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SpecError(f"--env {item!r}: want NAME=VALUE")
+        pairs.append((name, value))
+    platform = [p for text in args.platform for p in parse_platform(text)]
+    timeout_text = env.get("BUILDVAULT_TIMEOUT", "") or "5"
+    try:
+        timeout = float(timeout_text)
+    except ValueError:
+        raise SpecError(f"BUILDVAULT_TIMEOUT={timeout_text!r}: want seconds") from None
+    writer = args.writer if args.writer is not None else env.get("BUILDVAULT_WRITER", "") in ("1", "true", "yes")
+    return StepSpec(
+        argv=argv,
+        workdir=workdir,
+        name=args.name,
+        inputs=[os.path.join(workdir, p) for p in args.input],
+        excludes=list(DEFAULT_EXCLUDES) if args.exclude is None else list(args.exclude),
+        recipe_files=[os.path.join(workdir, p) for p in args.recipe_file],
+        recipe_values=list(args.recipe_value),
+        env=pairs,
+        tools=list(args.tool),
+        toolchain_files=[os.path.join(workdir, p) for p in args.toolchain_file],
+        platform=platform,
+        roots=list(args.normalize_root),
+        outputs=[os.path.normpath(os.path.join(workdir, p)) for p in args.output],
+        output_dir=os.path.normpath(os.path.join(workdir, args.output_dir)) if args.output_dir else None,
+        remote=args.remote if args.remote is not None else env.get("BUILDVAULT_REMOTE", ""),
+        instance=args.instance if args.instance is not None else env.get("BUILDVAULT_INSTANCE", ""),
+        writer=writer,
+        timeout=timeout,
+        lock_timeout=args.lock_timeout if args.lock_timeout is not None else DEFAULT_LOCK_TIMEOUT,
+        event_log=env.get("BUILDVAULT_EVENT_LOG", ""),
+        disabled=env.get("BUILDVAULT_DISABLE", "") in ("1", "true"),
+    )

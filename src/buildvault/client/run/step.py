@@ -1,0 +1,278 @@
+"""One cached step: HIT (outputs restored, exit code and output replayed), MISS (ran, not
+stored), SAVED (ran and stored: writers only), BYPASS (ran uncached: no cache configured, the
+cache failed, or an identical step held the lock too long).
+
+Every cache failure falls back to running the command untouched with one warning; a failing
+command is never stored. One status line per step goes to stdout, one JSON line to
+BUILDVAULT_EVENT_LOG (statuses as buildvault-cc's: a SAVED step is a MISS with `stored`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from buildvault.digest import Digest
+from buildvault.remote_apis import re_pb2
+
+from .. import protocol
+from ..remote import Remote, RemoteError, from_proto
+from .key import StepKey, step_key
+from .lock import KeyLock
+from .outputs import Collected, OutputError, UnusableResult, collect, discovered, restore, snapshot
+from .spec import SpecError, StepSpec
+from .tree import to_proto
+
+PREFIX = "[buildvault]"
+# Across the steps of one build: one warning per outage per minute, not one per step.
+_WARN_EVERY = 60.0
+# Exit code of a step that could not be set up (missing input, tool, bad option).
+SETUP_FAILED = 2
+
+
+def warn_once(message: str) -> None:
+    marker = os.path.join(protocol.agent_dir(), "warned-run")
+    try:
+        if time.time() - os.stat(marker).st_mtime < _WARN_EVERY:
+            return
+    except OSError:
+        pass
+    try:
+        os.makedirs(os.path.dirname(marker), mode=0o700, exist_ok=True)
+        with open(marker, "w"):
+            pass
+    except OSError:
+        pass
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Ran:
+    exit: int
+    stdout: bytes
+    stderr: bytes
+    started: float
+    seconds: float
+
+
+def run_command(spec: StepSpec, env: Mapping[str, str]) -> Ran:
+    """Run the step's command in its workdir with stdout/stderr captured, then echo them."""
+    started = time.time()
+    start = time.monotonic()
+    try:
+        done = subprocess.run(spec.argv, cwd=spec.workdir, env=dict(env), capture_output=True, check=False)
+        ran = Ran(done.returncode if done.returncode >= 0 else 128 - done.returncode, done.stdout, done.stderr,
+                  started, time.monotonic() - start)
+    except OSError as e:
+        ran = Ran(127, b"", f"buildvault run: cannot run {spec.argv[0]}: {e}\n".encode(), started, 0.0)
+    echo(ran.stdout, ran.stderr)
+    return ran
+
+
+def echo(out: bytes, err: bytes) -> None:
+    if out:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(out)
+        sys.stdout.flush()
+    if err:
+        sys.stderr.flush()
+        sys.stderr.buffer.write(err)
+        sys.stderr.flush()
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+class Step:
+    def __init__(self, spec: StepSpec, env: Mapping[str, str]):
+        self.spec = spec
+        self.env = dict(env)
+        self.run_env = {**self.env, **dict(spec.env)}
+        self.start = time.monotonic()
+        self.event: dict[str, Any] = {
+            "kind": "step", "step": spec.label, "status": "BYPASS", "reason": "", "action": None, "outputs": 0,
+            "cwd": spec.workdir,
+        }
+        self.key: StepKey | None = None
+        self.remote: Remote | None = None
+        self.ran = False  # the command has been started: never run it a second time
+
+    # -- reporting -----------------------------------------------------------------------------
+    def finish(self, status: str, code: int, reason: str = "", **extra: Any) -> int:
+        shown = status
+        if status == "SAVED":
+            status, extra["stored"] = "MISS", True
+        self.event.update(status=status, reason=reason, exit=code, seconds=round(time.monotonic() - self.start, 4),
+                          **extra)
+        key = str(self.key.digest.hash + "/" + str(self.key.digest.size_bytes)) if self.key else "-"
+        self.event["action"] = key if self.key else None
+        line = f"{PREFIX} {shown} step={self.spec.label} key={key}"
+        if reason and shown in ("MISS", "BYPASS"):
+            line += f" reason={reason}"
+        print(line, flush=True)
+        if self.spec.event_log:
+            self.event["ts"] = round(time.time(), 3)
+            protocol.append_line(self.spec.event_log, json.dumps(self.event, separators=(",", ":")) + "\n")
+        return code
+
+    def bypass(self, reason: str) -> int:
+        self.ran = True
+        ran = run_command(self.spec, self.run_env)
+        return self.finish("BYPASS", ran.exit, reason, compile_seconds=round(ran.seconds, 4))
+
+    # -- the step ------------------------------------------------------------------------------
+    def run(self) -> int:
+        spec = self.spec
+        if not spec.remote or spec.disabled:
+            return self.bypass("no-remote" if not spec.remote else "disabled")
+        try:
+            self.key = step_key(spec, self.run_env)
+        except SpecError as e:
+            print(f"buildvault run: {e}", file=sys.stderr, flush=True)
+            return self.finish("BYPASS", SETUP_FAILED, "setup-failed")
+        except (OSError, ValueError) as e:
+            warn_once(f"buildvault run: cannot compute the key ({e}); running the step uncached")
+            return self.bypass("key-failed")
+        try:
+            self.remote = Remote(spec.remote, spec.instance, timeout=spec.timeout,
+                                 upload_timeout=max(spec.timeout * 4, 20.0))
+        except RemoteError as e:
+            warn_once(f"buildvault run: {e}; running the step uncached")
+            return self.bypass("bad-remote")
+        try:
+            return self._cached(self.key, self.remote)
+        except Exception as e:  # a cache bug must never fail the build
+            if self.ran:
+                raise
+            warn_once(f"buildvault run: internal error ({type(e).__name__}: {e}); running the step uncached")
+            return self.bypass("internal-error")
+        finally:
+            self.remote.close()
+
+    def _lookup(self, key: StepKey, remote: Remote) -> int | None:
+        """The step's exit code if a usable cached result was restored, else None."""
+        result = remote.get_action_result(key.digest, inline_files=key.output_paths)
+        if result is None:
+            self.event["reason"] = "not-cached"
+            return None
+        if result.exit_code != 0:
+            self.event["reason"] = "cached-failure"
+            return None
+        discover = key.output_paths[0] if self.spec.output_dir else None
+        try:
+            count = restore(result, self.spec.workdir, key.output_paths, discover, key.roots, remote.download)
+            stdout, stderr = self._streams(result, remote)
+        except (UnusableResult, RemoteError, OSError) as e:
+            print(f"buildvault run: cached result of step {self.spec.label} is unusable ({e}); running it",
+                  file=sys.stderr, flush=True)
+            self.event["reason"] = "unusable-result"
+            return None
+        echo(key.roots.denormalize_bytes(stdout), key.roots.denormalize_bytes(stderr))
+        self.event["outputs"] = count
+        meta = result.execution_metadata
+        if meta.HasField("execution_start_timestamp") and meta.HasField("execution_completed_timestamp"):
+            took = (meta.execution_completed_timestamp.ToNanoseconds()
+                    - meta.execution_start_timestamp.ToNanoseconds()) / 1e9
+            self.event["saved"] = round(max(0.0, took - (time.monotonic() - self.start)), 4)
+        return result.exit_code
+
+    @staticmethod
+    def _streams(result: re_pb2.ActionResult, remote: Remote) -> tuple[bytes, bytes]:
+        out = []
+        for raw, digest, has in ((result.stdout_raw, result.stdout_digest, result.HasField("stdout_digest")),
+                                 (result.stderr_raw, result.stderr_digest, result.HasField("stderr_digest"))):
+            if raw or not has or not digest.hash:
+                out.append(raw)
+                continue
+            d = from_proto(digest)
+            out.append(remote.download([d])[d])
+        return out[0], out[1]
+
+    def _cached(self, key: StepKey, remote: Remote) -> int:
+        try:
+            code = self._lookup(key, remote)
+        except RemoteError as e:
+            warn_once(f"buildvault run: remote cache unavailable ({e}); running steps uncached")
+            return self.bypass("remote-unavailable")
+        if code is not None:
+            return self.finish("HIT", code, "hit")
+        if not self.spec.writer:
+            return self._run_and_store(key, remote, store=False)
+        lock = KeyLock(key.digest.hash)
+        if not lock.acquire(self.spec.lock_timeout):
+            return self.bypass("lock-timeout")
+        try:
+            try:
+                code = self._lookup(key, remote)  # an identical step may have stored it while we waited
+            except RemoteError:
+                code = None
+            if code is not None:
+                return self.finish("HIT", code, "hit-after-wait")
+            return self._run_and_store(key, remote, store=True)
+        finally:
+            lock.release()
+
+    def _run_and_store(self, key: StepKey, remote: Remote, store: bool) -> int:
+        spec = self.spec
+        before = snapshot(spec.output_dir) if spec.output_dir else {}
+        self.ran = True
+        ran = run_command(spec, self.run_env)
+        self.event["compile_seconds"] = round(ran.seconds, 4)
+        if ran.exit != 0:
+            return self.finish("MISS", ran.exit, "command-failed")
+        try:
+            if spec.output_dir:
+                base = os.path.relpath(spec.output_dir, spec.workdir)
+                found = discovered(spec.output_dir, before)
+                if not found:
+                    raise OutputError(f"the command created or changed nothing in {spec.output_dir}")
+                paths = [os.path.normpath(os.path.join(base, p)) for p in found]
+            else:
+                paths = key.output_paths
+            collected = collect(spec.workdir, paths, key.roots)
+        except (OutputError, OSError) as e:
+            print(f"buildvault run: step {spec.label}: {e}", file=sys.stderr, flush=True)
+            return self.finish("MISS", 1, "no-outputs")
+        self.event["outputs"] = collected.count
+        if not store:
+            return self.finish("MISS", 0, "not-writer")
+        try:
+            self._store(key, remote, collected, ran)
+        except RemoteError as e:
+            warn_once(f"buildvault run: could not store step {spec.label} ({e})")
+            return self.finish("MISS", 0, "store-failed")
+        return self.finish("SAVED", 0, "saved")
+
+    def _store(self, key: StepKey, remote: Remote, collected: Collected, ran: Ran) -> None:
+        result = collected.result
+        blobs = dict(key.blobs)
+        blobs.update(collected.blobs)
+        for data, field_name in ((key.roots.normalize_bytes(ran.stdout), "stdout_digest"),
+                                 (key.roots.normalize_bytes(ran.stderr), "stderr_digest")):
+            if data:
+                digest = Digest.of(data)
+                blobs[digest] = data
+                getattr(result, field_name).CopyFrom(to_proto(digest))
+        result.exit_code = 0
+        meta = result.execution_metadata
+        meta.worker = "buildvault-run"
+        meta.execution_start_timestamp.CopyFrom(_timestamp(ran.started))
+        meta.execution_completed_timestamp.CopyFrom(_timestamp(ran.started + ran.seconds))
+        missing = remote.find_missing(blobs)
+        remote.upload({d: blobs[d] for d in missing})
+        remote.update_action_result(key.digest, result)
+
+
+def run_step(spec: StepSpec, env: Mapping[str, str]) -> int:
+    return Step(spec, env).run()

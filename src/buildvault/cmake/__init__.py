@@ -1,0 +1,1 @@
+"""Package data: buildvault.cmake (`buildvault cmake-module-path` prints this directory)."""

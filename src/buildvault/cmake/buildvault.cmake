@@ -1,0 +1,77 @@
+# buildvault.cmake: run custom build steps through the buildvault cache (`buildvault run`).
+#
+#   execute_process(COMMAND buildvault cmake-module-path OUTPUT_VARIABLE dir OUTPUT_STRIP_TRAILING_WHITESPACE)
+#   list(APPEND CMAKE_MODULE_PATH ${dir})
+#   include(buildvault)
+#
+#   buildvault_cached_command(cmd
+#     NAME my_op                          # status line / event log name
+#     INPUTS ${src_dir} ${header}         # files or directories (walked, EXCLUDES left out)
+#     EXCLUDES ".git" "*.log"             # replaces the defaults
+#     RECIPE_FILES ${script}              # the recipe: script, options files
+#     RECIPE_VALUES "-O2" "mode=fast"     # recipe values joining the key
+#     ENV SOC=ascend910b1                 # set for the command and part of the key
+#     TOOLS ascendc cmake                 # each tool's --version output joins the key
+#     TOOLCHAIN_FILES ${CANN}/version.info
+#     PLATFORM soc=ascend910b1 cann=8.0.RC3
+#     NORMALIZE_ROOTS /opt/vendor         # more roots (the source and build roots always are)
+#     WORKDIR ${CMAKE_CURRENT_BINARY_DIR}
+#     OUTPUTS ${out1} ${out_dir}          # or OUTPUT_DIR dir: what the command creates/changes there
+#     COMMAND sh ${script} ${src_dir} ${out_dir})
+#   add_custom_command(OUTPUT ${out1} ${out_dir}/x COMMAND ${cmd} DEPENDS ... VERBATIM)
+#
+# Give WORKING_DIRECTORY = WORKDIR to add_custom_command. The cache is found the way
+# buildvault-cc finds it: BUILDVAULT_REMOTE, BUILDVAULT_WRITER, BUILDVAULT_INSTANCE, ... in the
+# build's environment. With BUILDVAULT_CACHED_STEPS OFF the command runs plainly (with ENV set).
+
+option(BUILDVAULT_CACHED_STEPS "run buildvault_cached_command steps through `buildvault run`" ON)
+find_program(BUILDVAULT_EXECUTABLE NAMES buildvault DOC "the buildvault command")
+
+function(buildvault_cached_command out_var)
+  set(multi INPUTS EXCLUDES RECIPE_FILES RECIPE_VALUES ENV TOOLS TOOLCHAIN_FILES PLATFORM NORMALIZE_ROOTS OUTPUTS
+      COMMAND)
+  cmake_parse_arguments(PARSE_ARGV 1 BV "" "NAME;WORKDIR;OUTPUT_DIR" "${multi}")
+  if(BV_UNPARSED_ARGUMENTS)
+    message(FATAL_ERROR "buildvault_cached_command: unknown arguments: ${BV_UNPARSED_ARGUMENTS}")
+  endif()
+  if(NOT BV_COMMAND)
+    message(FATAL_ERROR "buildvault_cached_command: COMMAND is required")
+  endif()
+  if(NOT BV_OUTPUTS AND NOT BV_OUTPUT_DIR)
+    message(FATAL_ERROR "buildvault_cached_command: give OUTPUTS or OUTPUT_DIR")
+  endif()
+  if(NOT BUILDVAULT_CACHED_STEPS)
+    if(BV_ENV)
+      set(${out_var} ${CMAKE_COMMAND} -E env ${BV_ENV} ${BV_COMMAND} PARENT_SCOPE)
+    else()
+      set(${out_var} ${BV_COMMAND} PARENT_SCOPE)
+    endif()
+    return()
+  endif()
+  if(NOT BUILDVAULT_EXECUTABLE)
+    message(FATAL_ERROR "buildvault_cached_command: buildvault not found (set BUILDVAULT_EXECUTABLE)")
+  endif()
+  set(cmd ${BUILDVAULT_EXECUTABLE} run)
+  if(BV_NAME)
+    list(APPEND cmd "--name=${BV_NAME}")
+  endif()
+  if(BV_WORKDIR)
+    list(APPEND cmd "--workdir=${BV_WORKDIR}")
+  endif()
+  if(BV_OUTPUT_DIR)
+    list(APPEND cmd "--output-dir=${BV_OUTPUT_DIR}")
+  endif()
+  # --option=value: a value that starts with '-' stays a value.
+  foreach(pair INPUTS:input EXCLUDES:exclude RECIPE_FILES:recipe-file RECIPE_VALUES:recipe-value ENV:env
+          TOOLS:tool TOOLCHAIN_FILES:toolchain-file PLATFORM:platform NORMALIZE_ROOTS:normalize-root
+          OUTPUTS:output)
+    string(REPLACE ":" ";" parts "${pair}")
+    list(GET parts 0 keyword)
+    list(GET parts 1 flag)
+    foreach(value IN LISTS BV_${keyword})
+      list(APPEND cmd "--${flag}=${value}")
+    endforeach()
+  endforeach()
+  list(APPEND cmd -- ${BV_COMMAND})
+  set(${out_var} ${cmd} PARENT_SCOPE)
+endfunction()
