@@ -18,6 +18,7 @@ PACKAGES=(
   make
   libc6-dev
   ninja-build       # the CMake generator the launcher tests and bench use
+  apache2-utils     # htpasswd: the auth tests write their htpasswd files with the real tool
 )
 
 missing=()

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
     )
     add_settings_flags(serve)
+    from buildvault.server.auth.tokens import add_token_parser  # auth (issue 11)
+
+    add_token_parser(commands)
     return parser
 
 
@@ -90,6 +93,15 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    # auth (issue 11): SIGHUP rereads certificates and the htpasswd, token and access files.
+    reloads: set[asyncio.Task[Any]] = set()
+
+    def on_reload() -> None:
+        task = asyncio.ensure_future(app.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_reload)
     try:
         try:
             await app.start()
@@ -108,13 +120,17 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
         logs.banner(["buildvault: stopped"])
         return 0
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "token":
+        from buildvault.server.auth.tokens import add_token_command
+
+        return add_token_command(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2

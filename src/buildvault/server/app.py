@@ -23,6 +23,10 @@ from buildvault import logs
 from buildvault.actions import ActionCache
 from buildvault.config import Settings
 from buildvault.remote_apis import bs_grpc, re_grpc
+from buildvault.server.auth import Auth, AuthStartupError
+from buildvault.server.auth.grpc_auth import AuthInterceptor
+from buildvault.server.auth.health import add_health_service
+from buildvault.server.auth.tls import TlsError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE, server_options
 from buildvault.server.grpc.action_cache import ActionCacheService
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, ByteStreamService, Uploads
@@ -71,6 +75,14 @@ class Services:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+_SERVICE_NAMES = (
+    "build.bazel.remote.execution.v2.Capabilities",
+    "build.bazel.remote.execution.v2.ContentAddressableStorage",
+    "build.bazel.remote.execution.v2.ActionCache",
+    "google.bytestream.ByteStream",
+)
+
+
 def _format_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
@@ -95,15 +107,27 @@ class GrpcListener:
     async def start(self) -> None:
         s = self.services
         metrics = s.extra.get("metrics")
-        interceptors = [metrics.grpc_interceptor()] if metrics is not None else []
+        interceptors: list[Any] = [metrics.grpc_interceptor()] if metrics is not None else []
+        # -- auth (issue 11): access control after metrics, so refusals are counted as requests too.
+        auth: Auth | None = s.extra.get("auth")
+        if auth is not None:
+            interceptors.append(AuthInterceptor(auth))
+        # -- end auth
         server = grpc.aio.server(options=server_options(), interceptors=interceptors)
         re_grpc.add_CapabilitiesServicer_to_server(CapabilitiesService(s.max_cas_blob_size), server)
         re_grpc.add_ContentAddressableStorageServicer_to_server(CasService(s.blobs), server)
         re_grpc.add_ActionCacheServicer_to_server(ActionCacheService(s.action_cache), server)
         bs_grpc.add_ByteStreamServicer_to_server(ByteStreamService(s.blobs, s.uploads), server)
+        await add_health_service(server, list(_SERVICE_NAMES))  # auth (issue 11): always open
         host, _, _ = self.requested.rpartition(":")
         try:
-            port = server.add_insecure_port(self.requested)
+            # -- auth (issue 11): TLS when a certificate is configured
+            if auth is not None and auth.tls is not None:
+                port = server.add_secure_port(self.requested, auth.tls.grpc_credentials())
+            else:
+                port = server.add_insecure_port(self.requested)
+        except TlsError as e:
+            raise StartupError(str(e)) from None
         except RuntimeError as e:
             raise StartupError(f"cannot listen on {self.requested} (gRPC): {e}") from None
         if not port:
@@ -140,6 +164,7 @@ class App:
         # Owned by this App (not the global registry): two servers in one process count apart.
         self.metrics = Metrics(version=VERSION)
         self._storage_stats: Any = None
+        self.auth: Auth | None = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -161,6 +186,10 @@ class App:
 
     async def start(self) -> None:
         try:
+            try:  # auth (issue 11): a bad certificate, key or auth file stops the start, naming the setting
+                self.auth = Auth.from_settings(self.settings, self.metrics)
+            except AuthStartupError as e:
+                raise StartupError(str(e)) from None
             blobs, actions = await self._open_stores()
             self.services = Services(
                 blobs=blobs,
@@ -168,7 +197,7 @@ class App:
                 action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE),
                 uploads=Uploads(blobs, grace=self.upload_grace),
                 max_cas_blob_size=self._max_blob_size(),
-                extra={"metrics": self.metrics},
+                extra={"metrics": self.metrics, "auth": self.auth},
             )
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
@@ -201,6 +230,10 @@ class App:
                 await close()
             except Exception:  # noqa: BLE001 - keep closing the rest
                 log.exception("error while closing a store")
+
+    async def reload(self) -> bool:
+        """SIGHUP: reread certificates and the auth files; False (logged) keeps the old settings."""
+        return await self.auth.reload() if self.auth is not None else True
 
     async def hurry(self) -> None:
         """Cut a running `stop`'s grace period short: cancel in-flight requests now."""

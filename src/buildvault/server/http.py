@@ -682,6 +682,7 @@ def create_app(
     max_blob_size: int | None = None,
     max_entry_size: int = DEFAULT_MAX_ENTRY_SIZE,
     version: str | None = None,
+    auth: Any = None,
 ) -> web.Application:
     """The aiohttp application: cache endpoints, /status, /status.html, / and /metrics.
 
@@ -698,8 +699,16 @@ def create_app(
         max_entry_size=max_entry_size,
         version=version,
     )
-    app = web.Application(middlewares=[_request_middleware(metrics)])
+    middlewares = [_request_middleware(metrics)]
+    # -- auth (issue 11): access control inside the request log/metrics middleware; /healthz always open
+    from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
+
+    if auth is not None:
+        middlewares.append(auth_middleware(auth, lambda raw: parse_cache_path(raw).instance))
+    # -- end auth
+    app = web.Application(middlewares=middlewares)
     app[HTTP_CACHE_KEY] = cache
+    app.router.add_get(HEALTHZ, healthz)
     for route, handler in (
         ("/status", cache.status_json),
         ("/status.html", cache.status_html),
@@ -716,9 +725,10 @@ class HttpListener:
 
     name = "http"
 
-    def __init__(self, address: str, app: web.Application) -> None:
+    def __init__(self, address: str, app: web.Application, ssl_context: Any = None) -> None:
         self.requested = address
         self.app = app
+        self.ssl_context = ssl_context  # auth (issue 11): HTTPS when set
         self._runner: web.AppRunner | None = None
         self._address: str | None = None
         self._stopping: asyncio.Future[None] | None = None
@@ -742,8 +752,10 @@ class HttpListener:
             stats=stats,
             max_blob_size=services.max_cas_blob_size or None,
             version=version,
+            auth=services.extra.get("auth"),
         )
-        return cls(address, app)
+        auth = services.extra.get("auth")  # auth (issue 11)
+        return cls(address, app, auth.tls.http_context() if auth is not None and auth.tls is not None else None)
 
     @property
     def address(self) -> str | None:
@@ -756,7 +768,7 @@ class HttpListener:
         # the handlers, and aiohttp must not try to decode any other encoding.
         runner = web.AppRunner(self.app, access_log=None, auto_decompress=False, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, host, int(port), reuse_address=True)
+        site = web.TCPSite(runner, host, int(port), reuse_address=True, ssl_context=self.ssl_context)
         try:
             await site.start()
         except OSError as e:
