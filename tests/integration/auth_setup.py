@@ -37,7 +37,9 @@ def _key(kind: str):  # type: ignore[no-untyped-def]
 
 
 def _pem_key(key) -> bytes:  # type: ignore[no-untyped-def]
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 @dataclass
@@ -73,9 +75,7 @@ class Pki:
             .not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=30))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True
-            )
+            .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
             .sign(self._key, hashes.SHA256())
         )
         self.ca_cert = directory / f"{name}.pem"
@@ -84,9 +84,13 @@ class Pki:
     def issue(self, cn: str, *, server: bool = False, kind: str | None = None, expired: bool = False) -> Issued:
         key = _key(kind or self.kind)
         now = datetime.datetime.now(datetime.UTC)
-        start, end = (now - datetime.timedelta(days=10), now - datetime.timedelta(days=1)) if expired else (
-            now - datetime.timedelta(hours=1),
-            now + datetime.timedelta(days=10),
+        start, end = (
+            (now - datetime.timedelta(days=10), now - datetime.timedelta(days=1))
+            if expired
+            else (
+                now - datetime.timedelta(hours=1),
+                now + datetime.timedelta(days=10),
+            )
         )
         builder = (
             x509.CertificateBuilder()
@@ -100,7 +104,9 @@ class Pki:
         )
         if server:
             builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
                 critical=False,
             ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         else:

@@ -34,8 +34,11 @@ def hostile_values(rng: random.Random, count: int) -> list[str]:
     b64 = base64.b64encode
     makers = [
         lambda: text(rng.randint(1, 200)),
-        lambda: rng.choice(["Basic", "Bearer", "basic", "BEARER", "Digest", "Negotiate", "NTLM", "AWS4-HMAC-SHA256"])
-        + rng.choice(["", " ", "  "]) + text(rng.randint(0, 80)),
+        lambda: (
+            rng.choice(["Basic", "Bearer", "basic", "BEARER", "Digest", "Negotiate", "NTLM", "AWS4-HMAC-SHA256"])
+            + rng.choice(["", " ", "  "])
+            + text(rng.randint(0, 80))
+        ),
         lambda: "Basic " + text(rng.randint(1, 60), string.ascii_letters + "+/=!*"),  # not base64
         lambda: "Basic " + b64(text(rng.randint(0, 40), string.ascii_letters).encode()).decode(),  # no colon
         lambda: "Basic " + b64(b":" + text(8).encode()).decode(),  # empty user
@@ -45,7 +48,7 @@ def hostile_values(rng: random.Random, count: int) -> list[str]:
         lambda: "Bearer " + text(rng.randint(1, 100), string.ascii_letters + string.digits + "-_"),
         lambda: "Bearer " + text(10) + " " + text(10),
         lambda: "Bearer " + hashlib.sha256(text(8).encode()).hexdigest(),  # a hash, not a token
-        lambda: ("Bearer " + "A" * rng.choice([4097, 6000, 7000])),  # over the 4 KiB limit
+        lambda: "Bearer " + "A" * rng.choice([4097, 6000, 7000]),  # over the 4 KiB limit
         lambda: "Basic " + "=" * rng.randint(1, 8),
         lambda: " " * rng.randint(0, 5),
     ]
@@ -112,7 +115,10 @@ async def test_http_hostile_headers(server):
         limit = asyncio.Semaphore(32)
 
         async def one(method: str, headers: dict[str, str]) -> None:
-            async with limit, session.request(method, path, headers=headers, data=payload if method == "PUT" else None) as r:
+            async with (
+                limit,
+                session.request(method, path, headers=headers, data=payload if method == "PUT" else None) as r,
+            ):
                 await r.read()
                 statuses[r.status] = statuses.get(r.status, 0) + 1
 
@@ -123,7 +129,9 @@ async def test_http_hostile_headers(server):
         assert all(a in (400, 401, 431) for a in raw_answers), raw_answers
         async with session.get("/healthz") as r:
             assert r.status == 200
-        async with session.get(path, headers={"Authorization": "Basic " + base64.b64encode(b"alice:alice-pw").decode()}) as r:
+        async with session.get(
+            path, headers={"Authorization": "Basic " + base64.b64encode(b"alice:alice-pw").decode()}
+        ) as r:
             assert r.status == 404  # nothing was stored
     assert server.running
 
@@ -149,7 +157,9 @@ async def raw_http(address: str, header_line: bytes) -> int:
     host, _, port = address.rpartition(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
-        writer.write(b"GET /cas/" + b"0" * 64 + b" HTTP/1.1\r\nHost: x\r\n" + header_line + b"\r\nConnection: close\r\n\r\n")
+        writer.write(
+            b"GET /cas/" + b"0" * 64 + b" HTTP/1.1\r\nHost: x\r\n" + header_line + b"\r\nConnection: close\r\n\r\n"
+        )
         await writer.drain()
         status_line = await asyncio.wait_for(reader.readline(), 30)
     finally:

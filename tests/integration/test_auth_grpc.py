@@ -106,7 +106,9 @@ async def test_write_token_writes_and_reads(stubs, creds):
     assert result.exit_code == 0 and result.stdout_digest.size_bytes == len(b"built\n")
     data = b"ci blob"
     reply = await stubs.cas.BatchUpdateBlobs(
-        re_pb2.BatchUpdateBlobsRequest(requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=digest(data), data=data)]),
+        re_pb2.BatchUpdateBlobsRequest(
+            requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=digest(data), data=data)]
+        ),
         metadata=auth(bearer(creds.ci)),
     )
     assert reply.responses[0].status.code == 0
@@ -133,9 +135,13 @@ async def test_read_token_reads_but_never_writes(stubs, creds):
         for r in write_requests(name, data):
             yield r
 
-    await refused(stubs.bytestream.Write(stream(), metadata=auth(bearer(creds.reader))), grpc.StatusCode.PERMISSION_DENIED)
     await refused(
-        stubs.bytestream.QueryWriteStatus(bs_pb2.QueryWriteStatusRequest(resource_name=name), metadata=auth(bearer(creds.reader))),
+        stubs.bytestream.Write(stream(), metadata=auth(bearer(creds.reader))), grpc.StatusCode.PERMISSION_DENIED
+    )
+    await refused(
+        stubs.bytestream.QueryWriteStatus(
+            bs_pb2.QueryWriteStatusRequest(resource_name=name), metadata=auth(bearer(creds.reader))
+        ),
         grpc.StatusCode.PERMISSION_DENIED,
     )
     # Nothing was stored: the writer's own view says the blob is missing.
@@ -195,7 +201,9 @@ async def test_refusals_are_counted_by_reason_and_logged_with_principal(server, 
     headers = {"Authorization": bearer(creds.reader)}
 
     def count(reason: str) -> float:
-        return metric(server.http_address, "buildvault_auth_refusals_total", {"protocol": "grpc", "reason": reason}, headers)
+        return metric(
+            server.http_address, "buildvault_auth_refusals_total", {"protocol": "grpc", "reason": reason}, headers
+        )
 
     before = {r: count(r) for r in ("missing", "bad_credentials", "unknown_scheme", "denied")}
     action = await update(stubs, bearer(creds.ci))
@@ -213,7 +221,11 @@ async def test_refusals_are_counted_by_reason_and_logged_with_principal(server, 
                 out.append(json.loads(line))
         return out
 
-    wait_for(lambda: any(r.get("principal") == "ci" and r["rpc"] == "UpdateActionResult" for r in lines()), 10, "ci's log line")
+    wait_for(
+        lambda: any(r.get("principal") == "ci" and r["rpc"] == "UpdateActionResult" for r in lines()),
+        10,
+        "ci's log line",
+    )
     assert any(r.get("principal") == "anonymous" and r.get("refused") == "missing" for r in lines())
     assert all(creds.ci not in json.dumps(r) and creds.reader not in json.dumps(r) for r in lines())
 

@@ -179,8 +179,8 @@ async def test_sighup_swaps_the_certificate_on_both_listeners(tmp_path):
     live_cert, live_key = tmp_path / "server.crt", tmp_path / "server.key"
     live_cert.write_bytes(first.cert_pem)
     live_key.write_bytes(first.key_pem)
-    args = ["--tls-cert-file", str(live_cert), "--tls-key-file", str(live_key), "--tls-client-ca-file", str(pki.ca_cert),
-            "--tls-client-auth", "require"]  # fmt: skip
+    args = ["--tls-cert-file", str(live_cert), "--tls-key-file", str(live_key),
+            "--tls-client-ca-file", str(pki.ca_cert), "--tls-client-auth", "require"]  # fmt: skip
     with ServerProcess(tmp_path / "data", extra_args=args) as server:
         assert served_certificate(server.http_address) == der(first)
         client = pki.issue("builder")

@@ -69,9 +69,7 @@ def read_tls_files(cert_file: str, key_file: str, client_ca_file: str) -> TlsFil
 class Tls:
     """The server's TLS state: the current files and the contexts built from them."""
 
-    def __init__(
-        self, cert_file: str, key_file: str, client_ca_file: str, client_auth: str, min_version: str
-    ) -> None:
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str, client_auth: str, min_version: str) -> None:
         self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
         self.client_auth = client_auth
         self.min_version = min_version
