@@ -181,3 +181,26 @@ def action_result(stdout: bytes) -> tuple[re_pb2.Digest, re_pb2.ActionResult]:
     action = os.urandom(16)
     digest = re_pb2.Digest(hash=hashlib.sha256(action).hexdigest(), size_bytes=len(action))
     return digest, re_pb2.ActionResult(exit_code=0, stdout_raw=stdout)
+
+
+def status(http_address: str, authorization: str, *, scheme: str = "http", context=None) -> dict:  # type: ignore[no-untyped-def]
+    """GET /status with credentials (the /status page follows the read rule)."""
+    import json
+
+    request = urllib.request.Request(f"{scheme}://{http_address}/status", headers={"Authorization": authorization})
+    with urllib.request.urlopen(request, timeout=20, context=context) as response:
+        return dict(json.load(response))
+
+
+def trust_store(directory: Path, ca_pem: Path, password: str = "changeit") -> Path:
+    """A PKCS12 trust store holding `ca_pem`, made with the JDK's keytool (what Bazel's JVM reads)."""
+    tool = shutil.which("keytool")
+    assert tool, "keytool not installed: run scripts/install-system-deps.sh (default-jdk-headless)"
+    store = directory / "truststore.p12"
+    subprocess.run(
+        [tool, "-importcert", "-noprompt", "-storetype", "PKCS12", "-keystore", str(store),
+         "-storepass", password, "-alias", "buildvault-test-ca", "-file", str(ca_pem)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return store

@@ -176,7 +176,9 @@ async def test_capabilities_update_enabled_follows_the_callers_write_permission(
     assert await enabled(bearer(creds.ci)) is True
     assert await enabled(bearer(creds.reader)) is False
     assert await enabled(bearer(creds.team_a), "team-a/x") is True
-    await refused(enabled(bearer(creds.team_a), "team-b"), grpc.StatusCode.PERMISSION_DENIED)
+    assert await enabled(bearer(creds.team_a), "team-b") is False
+    assert await enabled(None) is False  # no credential: answered, read-only
+    await refused(enabled(bearer("wrong")), grpc.StatusCode.UNAUTHENTICATED)
 
 
 async def test_team_grants_are_per_instance(stubs, creds):

@@ -5,7 +5,8 @@ instance name comes from the request (`instance_name`, or the ByteStream resourc
 Write, the first message), the principal from the `authorization` metadata entry or the
 client certificate's CN. A refusal ends the call with UNAUTHENTICATED or PERMISSION_DENIED
 before the service sees the request. `grpc.health.v1.Health` is always open.
-GetCapabilities answers `update_enabled` from the caller's own ActionCache write permission.
+GetCapabilities answers any caller without a bad credential (Bazel asks it before anything
+else), with `update_enabled` from the caller's own ActionCache write permission.
 """
 
 from __future__ import annotations
@@ -137,7 +138,10 @@ class _Check:
         started = time.perf_counter()
         try:
             principal = await policy.authenticate(_authorization(context), _cert_cn(context))
-            policy.authorize(principal, self.permission, _instance(request, self.where))
+            # GetCapabilities answers every caller whose credential (if any) is good: a client
+            # without write permission learns update_enabled=false instead of failing to start.
+            if self.method != _CAPABILITIES:
+                policy.authorize(principal, self.permission, _instance(request, self.where))
         except Refusal as refusal:
             self.auth.refused("grpc", refusal)
             code = grpc.StatusCode.UNAUTHENTICATED if refusal.unauthenticated else grpc.StatusCode.PERMISSION_DENIED
