@@ -10,9 +10,9 @@ checks a presented credential against the files it was loaded from:
 - tokens: `PRINCIPAL SHA256HEX` lines; only hashes are stored, compared with
   `hmac.compare_digest` against every entry.
 
-A password check (bcrypt is slow on purpose) runs in a worker thread; a credential that was
-accepted once is remembered by the value's SHA-256, so a build's thousands of requests pay
-for one check. A new `Credentials` (a reload) starts with an empty memory.
+A password check (bcrypt is slow on purpose) runs in a worker thread; an `authorization`
+value that was accepted once is remembered (in this process only), so a build's thousands of
+requests pay for one check. A new `Credentials` (a reload) starts with an empty memory.
 """
 
 from __future__ import annotations
@@ -182,19 +182,19 @@ class Credentials:
     def __init__(self, htpasswd: dict[str, str] | None = None, tokens: list[tuple[str, str]] | None = None) -> None:
         self.htpasswd = htpasswd or {}
         self.tokens = tokens or []
-        self._accepted: dict[bytes, str] = {}
+        self._accepted: dict[str, str] = {}  # accepted authorization value -> principal
 
     @property
     def configured(self) -> bool:
         return bool(self.htpasswd) or bool(self.tokens)
 
-    def remembered(self, presented: Presented) -> str | None:
-        """The principal of a credential accepted before, without checking again."""
-        return self._accepted.get(hashlib.sha256(presented.raw.encode()).digest())
+    def remembered(self, authorization: str) -> str | None:
+        """The principal of an `authorization` value accepted before (no parsing, no hashing)."""
+        return self._accepted.get(authorization)
 
     async def check(self, presented: Presented) -> str:
         """The principal the credential proves; BadCredentials("bad_credentials") when it proves none."""
-        key = hashlib.sha256(presented.raw.encode()).digest()
+        key = presented.raw
         known = self._accepted.get(key)
         if known is not None:
             return known

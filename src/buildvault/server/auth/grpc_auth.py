@@ -100,12 +100,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, auth: Auth) -> None:
         self._auth = auth
+        # method -> (the service's handler, its checked form): wrap each handler once, not per call.
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        if len(self._wrapped) < 256:  # method names are the client's: keep the memo bounded
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
         rule = rule_of(method)
         if rule is None:
             return handler
@@ -137,7 +148,8 @@ class _Check:
             return None
         started = time.perf_counter()
         try:
-            principal = await policy.authenticate(_authorization(context), _cert_cn(context))
+            cn = _cert_cn(context) if policy.certificates_identify else None
+            principal = await policy.authenticate(_authorization(context), cn)
             # GetCapabilities answers every caller whose credential (if any) is good: a client
             # without write permission learns update_enabled=false instead of failing to start.
             if self.method != _CAPABILITIES:

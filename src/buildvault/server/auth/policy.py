@@ -50,6 +50,9 @@ class Policy:
 
         An `authorization` value wins over a client certificate."""
         if authorization is not None:
+            known = self.credentials.remembered(authorization)
+            if known is not None:
+                return known
             try:
                 presented = parse_authorization(authorization)
                 return await self.credentials.check(presented)
