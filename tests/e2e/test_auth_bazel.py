@@ -51,9 +51,16 @@ def test_bazel_grpc_tokens_ci_writes_readers_never_do(tmp_path, servers, bazel_w
     assert result.processes.executed == CACHEABLE_SPAWNS, result.processes.line
     assert entries() == CACHEABLE_SPAWNS
     # ... and the read token does hit what CI wrote.
-    hits = bazel_workspace_factory("reader").build(
-        f"--remote_header=authorization=Bearer {reader}", "--noremote_upload_local_results", remote_cache=url, check=True
-    ).processes
+    hits = (
+        bazel_workspace_factory("reader")
+        .build(
+            f"--remote_header=authorization=Bearer {reader}",
+            "--noremote_upload_local_results",
+            remote_cache=url,
+            check=True,
+        )
+        .processes
+    )
     assert hits.as_dict() == ALL_HITS, hits.line
 
     # No header at all: its lookups are refused (UNAUTHENTICATED), the build passes, nothing stored.
@@ -63,7 +70,9 @@ def test_bazel_grpc_tokens_ci_writes_readers_never_do(tmp_path, servers, bazel_w
     assert anonymous.processes.executed == CACHEABLE_SPAWNS, anonymous.processes.line
     assert entries() == CACHEABLE_SPAWNS
     refusals = {"Authorization": bearer(ci)}
-    assert metric(server.http_address, "buildvault_auth_refusals_total", {"protocol": "grpc", "reason": "missing"}, refusals)
+    assert metric(
+        server.http_address, "buildvault_auth_refusals_total", {"protocol": "grpc", "reason": "missing"}, refusals
+    )
 
 
 def test_bazel_http_basic_auth_and_wrong_password(tmp_path, servers, bazel_workspace_factory):
@@ -82,12 +91,16 @@ def test_bazel_http_basic_auth_and_wrong_password(tmp_path, servers, bazel_works
 
     def bad() -> float:
         labels = {"protocol": "http", "reason": "bad_credentials"}
-        return metric(server.http_address, "buildvault_auth_refusals_total", labels, {"Authorization": basic("ci", "ci-secret")})
+        return metric(
+            server.http_address, "buildvault_auth_refusals_total", labels, {"Authorization": basic("ci", "ci-secret")}
+        )
 
     before = bad()
-    wrong = bazel_workspace_factory("wrong").build(
-        remote_cache=f"http://ci:wrong@{server.http_address}/other", check=True
-    ).processes
+    wrong = (
+        bazel_workspace_factory("wrong")
+        .build(remote_cache=f"http://ci:wrong@{server.http_address}/other", check=True)
+        .processes
+    )
     assert wrong.executed == CACHEABLE_SPAWNS and wrong.cache_hits == 0, wrong.line
     assert bad() > before
     assert status(server.http_address, basic("ci", "ci-secret"))["ac_entries"] == CACHEABLE_SPAWNS
@@ -102,7 +115,10 @@ def test_bazel_https_with_the_jvm_trust_store(tmp_path, servers, bazel_workspace
         "tls", "--htpasswd-file", str(users), "--tls-cert-file", str(cert.cert), "--tls-key-file", str(cert.key)
     )
     store = trust_store(tmp_path, pki.ca_cert)
-    jvm = [f"--host_jvm_args=-Djavax.net.ssl.trustStore={store}", "--host_jvm_args=-Djavax.net.ssl.trustStorePassword=changeit"]
+    jvm = [
+        f"--host_jvm_args=-Djavax.net.ssl.trustStore={store}",
+        "--host_jvm_args=-Djavax.net.ssl.trustStorePassword=changeit",
+    ]
     url = f"https://ci:ci-secret@{server.http_address}/inst"
     ws = bazel_workspace_factory("a", startup_options=jvm)
     cold = ws.build(remote_cache=url, check=True).processes

@@ -23,7 +23,9 @@ def tokens_server(tmp_path):
     tokens = tmp_path / "tokens"
     ci, reader = new_token(tokens, "ci"), new_token(tokens, "reader")
     access = write_access(tmp_path / "access.toml", [("ci", ["read", "write"], [""]), ("reader", ["read"], [""])])
-    with ServerProcess(tmp_path / "server" / "data", extra_args=["--token-file", str(tokens), "--access-file", str(access)]) as s:
+    with ServerProcess(
+        tmp_path / "server" / "data", extra_args=["--token-file", str(tokens), "--access-file", str(access)]
+    ) as s:
         s.ci, s.reader = ci, reader  # type: ignore[attr-defined]
         yield s
 
@@ -66,7 +68,10 @@ def test_grpcs_with_a_private_ca_and_a_token_file(tmp_path, env_factory, toolcha
     with ServerProcess(tmp_path / "server" / "data", extra_args=args) as server:
         host_port = server.grpc_address.replace("127.0.0.1", "localhost")
         env = env_factory(
-            server, remote=f"grpcs://{host_port}", BUILDVAULT_TOKEN_FILE=str(token_file), BUILDVAULT_TLS_CA=str(pki.ca_cert)
+            server,
+            remote=f"grpcs://{host_port}",
+            BUILDVAULT_TOKEN_FILE=str(token_file),
+            BUILDVAULT_TLS_CA=str(pki.ca_cert),
         )
         env["SHIM_LOG"] = str(toolchain.log)
         for name in ("a", "b"):
