@@ -110,7 +110,7 @@ class GrpcListener:
         interceptors: list[Any] = [metrics.grpc_interceptor()] if metrics is not None else []
         # -- auth (issue 11): access control after metrics, so refusals are counted as requests too.
         auth: Auth | None = s.extra.get("auth")
-        if auth is not None:
+        if auth is not None and auth.enabled:  # enabled never changes on reload: no settings change
             interceptors.append(AuthInterceptor(auth))
         # -- end auth
         server = grpc.aio.server(options=server_options(), interceptors=interceptors)

@@ -703,7 +703,7 @@ def create_app(
     # -- auth (issue 11): access control inside the request log/metrics middleware; /healthz always open
     from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
 
-    if auth is not None:
+    if auth is not None and auth.enabled:
         middlewares.append(auth_middleware(auth, lambda raw: parse_cache_path(raw).instance))
     # -- end auth
     app = web.Application(middlewares=middlewares)
