@@ -140,3 +140,27 @@ def test_open_server_warns_when_it_binds_beyond_loopback(tmp_path):
         assert "no credentials configured" in server.output()
     with ServerProcess(tmp_path / "data2") as server:
         assert "no credentials configured" not in server.output()
+
+
+def test_request_log_lines_carry_the_principal_never_the_secret(tmp_path, files):
+    import json
+
+    with ServerProcess(tmp_path / "data", extra_args=files["args"], log_level="debug") as server:
+        assert call(server, "GET", cas_path(b"z"), bearer(files["reader"]))[0] == 404
+        assert call(server, "GET", cas_path(b"z"), basic("alice", "alice-pw"))[0] == 404
+        assert call(server, "GET", cas_path(b"z"), bearer("wrong-token"))[0] == 401
+
+        def lines() -> list[dict]:
+            return [
+                json.loads(line)
+                for line in server.output().splitlines()
+                if line.startswith("{") and '"logger":"buildvault.request"' in line
+            ]
+
+        from polling import wait_for
+
+        wait_for(lambda: len(lines()) >= 3, 10, "three request log lines")
+        assert [r.get("principal") for r in lines()[:3]] == ["reader", "alice", "anonymous"]
+        assert lines()[2]["refused"] == "bad_credentials"
+        text = server.output()
+        assert files["reader"] not in text and "alice-pw" not in text and "wrong-token" not in text
