@@ -295,7 +295,10 @@ class Metrics:
         # Access control (server/auth): reason is missing, malformed, unknown_scheme, bad_credentials,
         # no_client_certificate or denied.
         self.auth_refusals = Counter(
-            f"{PREFIX}_auth_refusals", "Requests refused by access control, by reason.", ["protocol", "reason"], registry=r
+            f"{PREFIX}_auth_refusals",
+            "Requests refused by access control, by reason.",
+            ["protocol", "reason"],
+            registry=r,
         )
         start = Gauge(f"{PREFIX}_start_time_seconds", "Start time of the server, seconds since the epoch.", registry=r)
         start.set(self.started)
