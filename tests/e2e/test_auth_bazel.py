@@ -127,3 +127,16 @@ def test_bazel_https_with_the_jvm_trust_store(tmp_path, servers, bazel_workspace
     warm = ws.build(remote_cache=url, check=True).processes
     assert warm.as_dict() == ALL_HITS, warm.line
     assert ws.run_binary().stdout == EXPECTED_OUTPUT + "\n"
+
+
+def test_bazel_with_a_read_token_that_would_upload_stops_before_building(tmp_path, servers, bazel_workspace_factory):
+    """update_enabled=false for a reader: Bazel 4.2.3 with uploads on refuses to start (exit 34)."""
+    tokens = tmp_path / "tokens"
+    reader = new_token(tokens, "reader")
+    access = write_access(tmp_path / "access.toml", [("reader", ["read"], [""])])
+    server = servers("auth", "--token-file", str(tokens), "--access-file", str(access))
+    result = bazel_workspace_factory("pr").build(
+        f"--remote_header=authorization=Bearer {reader}", remote_cache=f"grpc://{server.grpc_address}"
+    )
+    assert result.returncode == 34, result.output[-3000:]
+    assert "not authorized to write local results to the remote cache" in result.output
