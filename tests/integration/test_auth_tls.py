@@ -204,3 +204,31 @@ async def test_sighup_swaps_the_certificate_on_both_listeners(tmp_path):
             server.process.send_signal(signal.SIGHUP)
             wait_for(lambda: "reload failed" in server.output(), 20, "the failed reload")
             assert served_certificate(server.http_address) == der(second)
+
+
+def test_min_tls_version_13(tmp_path):
+    pki = Pki(tmp_path / "pki")
+    cert = pki.issue("localhost", server=True)
+    args = ["--tls-cert-file", str(cert.cert), "--tls-key-file", str(cert.key), "--min-tls-version", "1.3"]
+    # grpcio cannot set a minimum version: refused at start-up while gRPC has TLS ...
+    server = ServerProcess(tmp_path / "data", extra_args=args)
+    with pytest.raises(ServerError):
+        server.start(timeout=30)
+    wait_for(lambda: not server.running, 10, "the server to exit")
+    assert "min_tls_version 1.3" in server.output()
+    # ... and enforced on HTTP: a TLS 1.2-only client cannot connect, a 1.3 one can.
+    with ServerProcess(tmp_path / "data2", extra_args=[*args, "--grpc-address", ""]) as http_only:
+        host, _, port = http_only.http_address.rpartition(":")
+        for version, works in ((ssl.TLSVersion.TLSv1_2, False), (ssl.TLSVersion.TLSv1_3, True)):
+            context = ssl.create_default_context(cafile=str(pki.ca_cert))
+            context.minimum_version = context.maximum_version = version
+            try:
+                with (
+                    socket.create_connection((host, int(port)), timeout=20) as raw,
+                    context.wrap_socket(raw, server_hostname="localhost") as tls,
+                ):
+                    assert tls.version() == "TLSv1.3"
+                connected = True
+            except ssl.SSLError:
+                connected = False
+            assert connected is works, version
