@@ -292,8 +292,32 @@ def key(digest: re_pb2.Digest) -> tuple[str, int]:
     return digest.hash, digest.size_bytes
 
 
+class _Authorization(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+):
+    """Adds `authorization: VALUE` to every call (--authorization: measure a server with access control)."""
+
+    def __init__(self, value: str) -> None:
+        self._entry = ("authorization", value)
+
+    def _details(self, details: Any) -> Any:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        return details._replace(metadata=metadata)
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+
 class Client:
-    def __init__(self, target: str, instance: str, rpc_timeout: float) -> None:
+    def __init__(self, target: str, instance: str, rpc_timeout: float, authorization: str = "") -> None:
         self.target = target
         self.instance = instance
         self.timeout = rpc_timeout
@@ -305,6 +329,7 @@ class Client:
                 ("grpc.max_send_message_length", -1),
                 ("grpc.enable_retries", 0),
             ],
+            interceptors=[_Authorization(authorization)] if authorization else None,
         )
         self.capabilities = re_grpc.CapabilitiesStub(self.channel)
         self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
@@ -888,7 +913,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.seed is not None:
         random.seed(args.seed)
 
-    client = Client(args.target, args.instance, args.rpc_timeout)
+    client = Client(args.target, args.instance, args.rpc_timeout, args.authorization)
     try:
         capabilities = await wait_ready(client, args.wait)
     except grpc.aio.AioRpcError as exc:
@@ -979,6 +1004,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--target", default="127.0.0.1:9092", help="gRPC address host:port (default %(default)s)")
     parser.add_argument("--instance", default="", help="REAPI instance name (default: empty)")
+    parser.add_argument(
+        "--authorization", default="", help="send `authorization: VALUE` on every call, e.g. 'Bearer TOKEN'"
+    )
     parser.add_argument("--server-pid", type=int, help="sample this process tree's RSS (VmRSS/VmHWM)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and counts: a protocol-regression run")
     parser.add_argument("--scenarios", help="comma-separated names or globs, e.g. 'fmb_*,bs_*_512MiB*'")

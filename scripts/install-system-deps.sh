@@ -20,6 +20,7 @@ PACKAGES=(
   libc6-dev
   ninja-build       # the CMake generator the launcher tests and bench use
   git               # buildvault artifact: the key tree follows git ls-files (tests/run)
+  apache2-utils     # htpasswd: the auth tests write their htpasswd files with the real tool
 )
 
 missing=()

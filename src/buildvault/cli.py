@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     from buildvault.client.run.artifact_cli import add_artifact_parser
 
     add_artifact_parser(commands)
+    from buildvault.server.auth.tokens import add_token_parser  # auth (issue 11)
+
+    add_token_parser(commands)
     return parser
 
 
@@ -120,6 +123,15 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    # auth (issue 11): SIGHUP rereads certificates and the htpasswd, token and access files.
+    reloads: set[asyncio.Task[Any]] = set()
+
+    def on_reload() -> None:
+        task = asyncio.ensure_future(app.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_reload)
     try:
         try:
             await app.start()
@@ -138,7 +150,7 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
         logs.banner(["buildvault: stopped"])
         return 0
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(signum)
 
 
@@ -167,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from buildvault.client.run.command import main_cmake_module_path
 
         return main_cmake_module_path()
+    if args.command == "token":
+        from buildvault.server.auth.tokens import add_token_command
+
+        return add_token_command(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2

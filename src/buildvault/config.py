@@ -90,6 +90,17 @@ class Settings:
         "boto3 request/response checksum mode: 'when_required' (OBS/MinIO-safe) or 'when_supported'",
         "MODE",
     )
+    # Access control and TLS (server/auth): no credential file and no client certificates keep the open server.
+    htpasswd_file: str = _setting("", str, "htpasswd file of bcrypt (htpasswd -B) or apr1 entries", "FILE")
+    token_file: str = _setting("", str, "bearer tokens, one 'PRINCIPAL SHA256HEX' a line", "FILE")
+    access_file: str = _setting("", str, "TOML [[grant]]s of read/write/execute on instance prefixes", "FILE")
+    allow_unauthenticated_reads: bool = _setting(False, parse_bool, "let callers without credentials read", "BOOL")
+    metrics_require_auth: bool = _setting(True, parse_bool, "false: /metrics answers without credentials", "BOOL")
+    tls_cert_file: str = _setting("", str, "PEM certificate chain of both listeners (empty: plaintext)", "FILE")
+    tls_key_file: str = _setting("", str, "PEM private key of --tls-cert-file", "FILE")
+    tls_client_ca_file: str = _setting("", str, "PEM CA certificates that sign client certificates", "FILE")
+    tls_client_auth: str = _setting("none", str, "client certificates: none, optional (HTTP only) or require", "MODE")
+    min_tls_version: str = _setting("1.2", str, "lowest TLS version accepted: 1.2 or 1.3", "VERSION")
 
     def __post_init__(self) -> None:
         if self.dir is None:
@@ -100,6 +111,14 @@ class Settings:
             raise ConfigError(f"s3_addressing: {self.s3_addressing!r} is not 'path' or 'virtual'")
         if self.s3_checksums not in ("when_required", "when_supported"):
             raise ConfigError(f"s3_checksums: {self.s3_checksums!r} is not 'when_required' or 'when_supported'")
+        if self.tls_client_auth not in ("none", "optional", "require"):
+            raise ConfigError(f"tls_client_auth: {self.tls_client_auth!r} is not none, optional or require")
+        if self.min_tls_version not in ("1.2", "1.3"):
+            raise ConfigError(f"min_tls_version: {self.min_tls_version!r} is not 1.2 or 1.3")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file: set both or neither")
+        if self.tls_client_auth != "none" and not (self.tls_client_ca_file and self.tls_cert_file):
+            raise ConfigError(f"tls_client_auth {self.tls_client_auth}: needs tls_client_ca_file and tls_cert_file")
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field[Any]]:

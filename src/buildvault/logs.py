@@ -32,6 +32,8 @@ _banner_log = logging.getLogger(BANNER_LOGGER)
 _fields: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "buildvault_request_fields", default=None
 )
+# Who the current gRPC call is (set by the auth interceptor before the service runs; never a secret).
+_principal: contextvars.ContextVar[str | None] = contextvars.ContextVar("buildvault_principal", default=None)
 
 
 class JsonFormatter(logging.Formatter):
@@ -105,6 +107,11 @@ def note(**fields: Any) -> None:
         current.update(fields)
 
 
+def set_principal(principal: str) -> None:
+    """Name the caller of the current task's request in its log line (one task per gRPC call)."""
+    _principal.set(principal)
+
+
 def end_request(token: RequestToken | None, method: str, code: str, started: float, peer: str | None) -> None:
     """Emit the request's JSON line."""
     if token is None:
@@ -114,5 +121,8 @@ def end_request(token: RequestToken | None, method: str, code: str, started: flo
     record = {"rpc": method, "code": code, "ms": round((time.perf_counter() - started) * 1000, 3)}
     if peer:
         record["peer"] = peer
+    principal = _principal.get()
+    if principal is not None:
+        record["principal"] = principal
     record.update(fields)
     request_log.debug("request", extra={"fields": record})

@@ -57,7 +57,7 @@ from .keys import (
     parse_platform,
     prepare,
 )
-from .remote import Remote, RemoteError, from_proto, to_proto
+from .remote import PermissionDenied, Remote, RemoteError, from_proto, to_proto
 from .roots import Roots, find_cmake_roots, parse_roots
 
 MANIFEST_ENTRIES = 8
@@ -102,6 +102,13 @@ class Agent:
                 return None
             self.warned = True
         return f"buildvault-cc: remote cache unavailable ({error}); compiling locally"
+
+    def _denied(self, error: Exception) -> str | None:
+        with self.lock:
+            was_writer, self.writer = self.writer, False
+        if not was_writer:
+            return None
+        return f"buildvault-cc: the remote cache refused an upload ({error}); compiling without uploading"
 
     def _ok(self) -> None:
         if self.warned:
@@ -236,6 +243,9 @@ class Agent:
                                           float(req.get("seconds", 0.0)), env, float(req.get("started", 0.0)))
         except Uncacheable as e:
             return {"status": "MISS", "reason": f"uncacheable: {e}"}
+        except PermissionDenied as e:
+            # A read-only credential (issue 11): keep reading, never try to upload again.
+            return {"status": "MISS", "reason": "not-permitted", "warning": self._denied(e)}
         except RemoteError as e:
             return {"status": "MISS", "reason": "upload-failed", "warning": self._failed(e)}
         except OSError as e:

@@ -16,7 +16,10 @@ miss, and replays the result on a hit. Any failure to reach the agent runs the c
 untouched (fail-open) with one warning.
 
 Environment:
-    BUILDVAULT_REMOTE     grpc://host:port of any REAPI v2 cache (unset: run the compiler untouched)
+    BUILDVAULT_REMOTE     grpc://host:port or grpcs://host:port of any REAPI v2 cache (unset: run the
+                          compiler untouched)
+    BUILDVAULT_TOKEN      bearer token sent to the cache (or BUILDVAULT_TOKEN_FILE: a file holding it)
+    BUILDVAULT_TLS_CA     PEM CA file that signs a grpcs:// server's certificate (default: system roots)
     BUILDVAULT_INSTANCE   REAPI instance name
     BUILDVAULT_WRITER     1: upload results on a miss (else read-only)
     BUILDVAULT_PLATFORM   e.g. "soc=ascend910b1,cann=8.0.RC3" (a property joins the key of the
@@ -60,6 +63,10 @@ def _socket_path() -> str:
             os.environ.get("BUILDVAULT_INSTANCE", ""),
             os.environ.get("BUILDVAULT_WRITER", ""),
             os.environ.get("BUILDVAULT_TIMEOUT", ""),
+            # auth (issue 11): another credential or CA is another agent
+            os.environ.get("BUILDVAULT_TOKEN", ""),
+            os.environ.get("BUILDVAULT_TOKEN_FILE", ""),
+            os.environ.get("BUILDVAULT_TLS_CA", ""),
             sys.executable,
             str(code),
         ]

@@ -1,7 +1,12 @@
 """A small synchronous REAPI v2 client (ActionCache, CAS, ByteStream) with bounded deadlines.
 
 Every call raises `RemoteError` on anything but success or a plain NOT_FOUND, so the caller
-can fail open: compile locally and warn once.
+can fail open: compile locally and warn once. A write the server refuses with
+PERMISSION_DENIED raises `PermissionDenied` (a read-only credential: stop uploading).
+
+Credentials and TLS come from the environment: `BUILDVAULT_TOKEN` (the token) or
+`BUILDVAULT_TOKEN_FILE` (a file holding it) is sent as `authorization: Bearer …`;
+`grpcs://host:port` uses TLS, trusting `BUILDVAULT_TLS_CA` (a PEM file) or the system roots.
 """
 
 from __future__ import annotations
@@ -28,18 +33,53 @@ class RemoteError(Exception):
     """The remote cache failed, timed out or answered something unusable."""
 
 
+class PermissionDenied(RemoteError):
+    """The server refused a write to this credential (PERMISSION_DENIED): reads still work."""
+
+
 def parse_remote(url: str) -> str:
-    """`grpc://host:port` (or plain `host:port`) -> gRPC target."""
+    """`grpc://host:port`, `grpcs://host:port` (or plain `host:port`) -> gRPC target."""
     url = url.strip()
     for scheme in ("grpc://", "grpcs://"):
         if url.startswith(scheme):
-            if scheme == "grpcs://":
-                raise RemoteError("grpcs:// is not supported by buildvault-cc yet; use grpc://")
             url = url[len(scheme):]
     url = url.rstrip("/")
     if not url or ":" not in url:
-        raise RemoteError(f"BUILDVAULT_REMOTE={url!r}: want grpc://host:port")
+        raise RemoteError(f"BUILDVAULT_REMOTE={url!r}: want grpc://host:port or grpcs://host:port")
     return url
+
+
+def token_from_env(env: dict[str, str] | None = None) -> str | None:
+    """BUILDVAULT_TOKEN, else the contents of BUILDVAULT_TOKEN_FILE (stripped); None when neither."""
+    env = dict(os.environ) if env is None else env
+    if env.get("BUILDVAULT_TOKEN"):
+        return env["BUILDVAULT_TOKEN"].strip()
+    path = env.get("BUILDVAULT_TOKEN_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError as e:
+        raise RemoteError(f"BUILDVAULT_TOKEN_FILE={path}: {e.strerror or e}") from None
+
+
+def channel_credentials(env: dict[str, str] | None = None) -> grpc.ChannelCredentials:
+    """TLS credentials for grpcs://: the CA in BUILDVAULT_TLS_CA, else the system roots."""
+    env = dict(os.environ) if env is None else env
+    path = env.get("BUILDVAULT_TLS_CA")
+    if not path:
+        return grpc.ssl_channel_credentials()
+    try:
+        with open(path, "rb") as f:
+            return grpc.ssl_channel_credentials(root_certificates=f.read())
+    except OSError as e:
+        raise RemoteError(f"BUILDVAULT_TLS_CA={path}: {e.strerror or e}") from None
+
+
+def _error(call: str, e: grpc.RpcError) -> RemoteError:
+    kind = PermissionDenied if e.code() == grpc.StatusCode.PERMISSION_DENIED else RemoteError
+    return kind(f"{call}: {e.code().name}: {e.details()}")
 
 
 def to_proto(d: Digest) -> re_pb2.Digest:
@@ -64,7 +104,12 @@ class Remote:
             ("grpc.max_reconnect_backoff_ms", 2000),
             ("grpc.enable_http_proxy", 0),
         ]
-        self.channel = grpc.insecure_channel(self.target, options=options)
+        if url.strip().startswith("grpcs://"):
+            self.channel = grpc.secure_channel(self.target, channel_credentials(), options=options)
+        else:
+            self.channel = grpc.insecure_channel(self.target, options=options)
+        token = token_from_env()
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self.ac = re_grpc.ActionCacheStub(self.channel)
         self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
         self.bs = bs_grpc.ByteStreamStub(self.channel)
@@ -84,7 +129,7 @@ class Remote:
             inline_output_files=list(inline_files),
         )
         try:
-            return self.ac.GetActionResult(request, timeout=self.timeout)
+            return self.ac.GetActionResult(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -99,6 +144,7 @@ class Remote:
             self.ac.UpdateActionResult.future(
                 re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d), action_result=r),
                 timeout=self.upload_timeout,
+                metadata=self.metadata,
             )
             for d, r in updates
         ]
@@ -106,7 +152,7 @@ class Remote:
             try:
                 future.result()
             except grpc.RpcError as e:
-                raise RemoteError(f"UpdateActionResult: {e.code().name}: {e.details()}") from None
+                raise _error("UpdateActionResult", e) from None
 
     # -- CAS ---------------------------------------------------------------------------------
     def find_missing(self, digests: Iterable[Digest]) -> set[Digest]:
@@ -122,7 +168,7 @@ class Remote:
             part = unique[start:start + 5000]
             request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance, blob_digests=[to_proto(d) for d in part])
             try:
-                response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout)
+                response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
             except grpc.RpcError as e:
                 raise RemoteError(f"FindMissingBlobs: {e.code().name}: {e.details()}") from None
             missing.update(from_proto(d) for d in response.missing_blob_digests)
@@ -160,9 +206,9 @@ class Remote:
             requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=to_proto(d), data=b) for d, b in batch],
         )
         try:
-            response = self.cas.BatchUpdateBlobs(request, timeout=self.upload_timeout)
+            response = self.cas.BatchUpdateBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
         except grpc.RpcError as e:
-            raise RemoteError(f"BatchUpdateBlobs: {e.code().name}: {e.details()}") from None
+            raise _error("BatchUpdateBlobs", e) from None
         for r in response.responses:
             if r.status.code != 0:
                 raise RemoteError(f"BatchUpdateBlobs: blob {r.digest.hash}: code {r.status.code}: {r.status.message}")
@@ -184,11 +230,11 @@ class Remote:
                     return
 
         try:
-            response = self.bs.Write(chunks(), timeout=self.upload_timeout)
+            response = self.bs.Write(chunks(), timeout=self.upload_timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ALREADY_EXISTS:
                 return
-            raise RemoteError(f"ByteStream.Write: {e.code().name}: {e.details()}") from None
+            raise _error("ByteStream.Write", e) from None
         if response.committed_size not in (digest.size_bytes, -1):
             raise RemoteError(f"ByteStream.Write committed {response.committed_size} of {digest.size_bytes} bytes")
 
@@ -221,7 +267,7 @@ class Remote:
     def _batch_read(self, batch: list[Digest]) -> dict[Digest, bytes]:
         request = re_pb2.BatchReadBlobsRequest(instance_name=self.instance, digests=[to_proto(d) for d in batch])
         try:
-            response = self.cas.BatchReadBlobs(request, timeout=self.timeout)
+            response = self.cas.BatchReadBlobs(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise RemoteError(f"BatchReadBlobs: {e.code().name}: {e.details()}") from None
         out = {}
@@ -237,7 +283,8 @@ class Remote:
         prefix = f"{self.instance}/" if self.instance else ""
         name = f"{prefix}blobs/{digest.hash}/{digest.size_bytes}"
         try:
-            parts = [r.data for r in self.bs.Read(bs_pb2.ReadRequest(resource_name=name), timeout=max(self.timeout, 30.0))]
+            request = bs_pb2.ReadRequest(resource_name=name)
+            parts = [r.data for r in self.bs.Read(request, timeout=max(self.timeout, 30.0), metadata=self.metadata)]
         except grpc.RpcError as e:
             raise RemoteError(f"ByteStream.Read: {e.code().name}: {e.details()}") from None
         return b"".join(parts)

@@ -20,6 +20,7 @@ from typing import Any
 from buildvault import logs
 from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.config import Settings
+from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
 from buildvault.server.grpc.listener import GrpcListener
@@ -64,6 +65,7 @@ class App:
         self.metrics = Metrics(version=VERSION)
         self._storage_stats: Any = None
         self._pins: PinRegistry | None = None
+        self.auth: Auth | None = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -85,6 +87,10 @@ class App:
 
     async def start(self) -> None:
         try:
+            try:  # auth (issue 11): a bad certificate, key or auth file stops the start, naming the setting
+                self.auth = Auth.from_settings(self.settings, self.metrics)
+            except AuthStartupError as e:
+                raise StartupError(str(e)) from None
             blobs, actions = await self._open_stores()
             self.services = Services(
                 blobs=blobs,
@@ -96,6 +102,7 @@ class App:
                 max_cas_blob_size=self._max_blob_size(),
                 storage_stats=self._storage_stats or getattr(self._given[0], "stats", None),
                 pins=self._pins.listing if self._pins else None,
+                auth=self.auth,
             )
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
@@ -125,6 +132,10 @@ class App:
                 await close()
             except Exception:  # keep closing the rest
                 log.exception("error while closing a store")
+
+    async def reload(self) -> bool:
+        """SIGHUP: reread certificates and the auth files; False (logged) keeps the old settings."""
+        return await self.auth.reload() if self.auth is not None else True
 
     async def hurry(self) -> None:
         """Cut a running `stop`'s grace period short: cancel in-flight requests now."""

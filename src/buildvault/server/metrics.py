@@ -292,6 +292,14 @@ class Metrics:
             ["protocol"],
             registry=r,
         )
+        # Access control (server/auth): reason is missing, malformed, unknown_scheme, bad_credentials,
+        # no_client_certificate or denied.
+        self.auth_refusals = Counter(
+            f"{PREFIX}_auth_refusals",
+            "Requests refused by access control, by reason.",
+            ["protocol", "reason"],
+            registry=r,
+        )
         start = Gauge(f"{PREFIX}_start_time_seconds", "Start time of the server, seconds since the epoch.", registry=r)
         start.set(self.started)
         info = Gauge(f"{PREFIX}_build_info", "Always 1; the version is a label.", ["version"], registry=r)
@@ -324,6 +332,9 @@ class Metrics:
     def cas_written(self, protocol: str, nbytes: int) -> None:
         if nbytes:
             self.cas_written_bytes.labels(protocol).inc(nbytes)
+
+    def auth_refused(self, protocol: str, reason: str) -> None:
+        self.auth_refusals.labels(protocol, reason).inc()
 
     def set_storage(self, stats: Any) -> None:
         """Update the storage gauges from a store's stats() (see StorageSnapshot.from_stats)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from buildvault.actions import ActionCache
+from buildvault.server.auth import Auth
 from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.metrics import Metrics
 from buildvault.storage import ActionStore, BlobStore
@@ -61,6 +62,7 @@ class Services:
     max_cas_blob_size: int = 0
     storage_stats: StatsSource | None = None
     pins: PinsSource | None = None  # the pinned versions, for the status pages (server/pins.py)
+    auth: Auth | None = None  # access control and TLS (server/auth); None: open, plaintext
 
 
 def format_address(host: str, port: int) -> str:

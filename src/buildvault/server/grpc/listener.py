@@ -8,6 +8,9 @@ from typing import Any
 import grpc
 
 from buildvault.remote_apis import bs_grpc, re_grpc
+from buildvault.server.auth.grpc_auth import AuthInterceptor
+from buildvault.server.auth.health import add_health_service
+from buildvault.server.auth.tls import TlsError
 from buildvault.server.grpc import server_options
 from buildvault.server.grpc.action_cache import ActionCacheService
 from buildvault.server.grpc.bytestream import ByteStreamService
@@ -23,6 +26,14 @@ _add_capabilities: _Register = re_grpc.add_CapabilitiesServicer_to_server
 _add_cas: _Register = re_grpc.add_ContentAddressableStorageServicer_to_server
 _add_action_cache: _Register = re_grpc.add_ActionCacheServicer_to_server
 _add_bytestream: _Register = bs_grpc.add_ByteStreamServicer_to_server
+
+# What the health service reports on (grpc.health.v1; always open, even under `require`).
+_SERVICE_NAMES = (
+    "build.bazel.remote.execution.v2.Capabilities",
+    "build.bazel.remote.execution.v2.ContentAddressableStorage",
+    "build.bazel.remote.execution.v2.ActionCache",
+    "google.bytestream.ByteStream",
+)
 
 
 class GrpcListener:
@@ -44,14 +55,24 @@ class GrpcListener:
 
     async def start(self) -> None:
         s = self.services
-        server = grpc.aio.server(options=server_options(), interceptors=[s.metrics.grpc_interceptor()])
+        interceptors: list[grpc.aio.ServerInterceptor] = [s.metrics.grpc_interceptor()]
+        auth = s.auth
+        if auth is not None and auth.enabled:  # after metrics, so refusals count as requests too
+            interceptors.append(AuthInterceptor(auth))
+        server = grpc.aio.server(options=server_options(), interceptors=interceptors)
         _add_capabilities(CapabilitiesService(s.max_cas_blob_size), server)
         _add_cas(CasService(s.blobs), server)
         _add_action_cache(ActionCacheService(s.action_cache), server)
         _add_bytestream(ByteStreamService(s.blobs, s.uploads), server)
+        await add_health_service(server, list(_SERVICE_NAMES))
         host, _, _ = self.requested.rpartition(":")
         try:
-            port = server.add_insecure_port(self.requested)
+            if auth is not None and auth.tls is not None:
+                port = server.add_secure_port(self.requested, auth.tls.grpc_credentials())
+            else:
+                port = server.add_insecure_port(self.requested)
+        except TlsError as e:
+            raise StartupError(str(e)) from None
         except RuntimeError as e:
             raise StartupError(f"cannot listen on {self.requested} (gRPC): {e}") from None
         if not port:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
@@ -12,8 +13,11 @@ from aiohttp.typedefs import Middleware
 
 from buildvault import logs
 from buildvault.actions import ActionCache
+from buildvault.server.auth import Auth
+from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
 from buildvault.server.http.handlers import DEFAULT_MAX_ENTRY_SIZE, CacheHandlers
 from buildvault.server.http.protocol import REQUEST_KIND
+from buildvault.server.http.routes import parse_cache_path
 from buildvault.server.http.status import StatusPages
 from buildvault.server.metrics import Metrics, http_method_label
 from buildvault.server.services import Services, StartupError, StatsSource, format_address
@@ -72,6 +76,7 @@ def create_app(
     max_blob_size: int | None = None,
     max_entry_size: int = DEFAULT_MAX_ENTRY_SIZE,
     version: str | None = None,
+    auth: Auth | None = None,
 ) -> web.Application:
     """The aiohttp application: cache endpoints, /status, /status.html, / and /metrics.
 
@@ -91,8 +96,12 @@ def create_app(
         version or metrics.version or _installed_version(),
         stats if stats is not None else getattr(cas, "stats", None),
     )
-    app = web.Application(middlewares=[_request_middleware(metrics)])
+    middlewares = [_request_middleware(metrics)]
+    if auth is not None and auth.enabled:  # inside the request log/metrics middleware: refusals are counted
+        middlewares.append(auth_middleware(auth, lambda raw: parse_cache_path(raw).instance))
+    app = web.Application(middlewares=middlewares)
     app[HANDLERS_KEY] = handlers
+    app.router.add_get(HEALTHZ, healthz)  # always open
     app[STATUS_KEY] = pages
     for route, page in (
         ("/status", pages.status_json),
@@ -110,9 +119,10 @@ class HttpListener:
 
     name = "http"
 
-    def __init__(self, address: str, app: web.Application) -> None:
+    def __init__(self, address: str, app: web.Application, ssl_context: ssl.SSLContext | None = None) -> None:
         self.requested = address
         self.app = app
+        self.ssl_context = ssl_context  # HTTPS when set
         self._runner: web.AppRunner | None = None
         self._address: str | None = None
         self._stopping: asyncio.Future[None] | None = None
@@ -128,9 +138,11 @@ class HttpListener:
             stats=services.storage_stats,
             max_blob_size=services.max_cas_blob_size or None,
             version=services.version,
+            auth=services.auth,
         )
         app[STATUS_KEY].pins = services.pins
-        return cls(address, app)
+        tls = services.auth.tls if services.auth is not None else None
+        return cls(address, app, tls.http_context() if tls is not None else None)
 
     @property
     def address(self) -> str | None:
@@ -143,7 +155,7 @@ class HttpListener:
         # the handlers, and aiohttp must not try to decode any other encoding.
         runner = web.AppRunner(self.app, access_log=None, auto_decompress=False, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, host, int(port), reuse_address=True)
+        site = web.TCPSite(runner, host, int(port), reuse_address=True, ssl_context=self.ssl_context)
         try:
             await site.start()
         except OSError as e:

@@ -1,0 +1,229 @@
+"""The gRPC side of access control: a `grpc.aio.ServerInterceptor` in front of every service.
+
+The interceptor wraps each method's handler, so the check runs with the request in hand: the
+instance name comes from the request (`instance_name`, or the ByteStream resource name; for
+Write, the first message), the principal from the `authorization` metadata entry or the
+client certificate's CN. A refusal ends the call with UNAUTHENTICATED or PERMISSION_DENIED
+before the service sees the request. `grpc.health.v1.Health` is always open.
+GetCapabilities answers any caller without a bad credential (Bazel asks it before anything
+else), with `update_enabled` from the caller's own ActionCache write permission.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from buildvault import logs
+from buildvault.digest import InvalidDigest, parse_read_resource, parse_write_resource
+from buildvault.remote_apis import re_pb2
+from buildvault.server.auth.grants import Permission
+from buildvault.server.auth.policy import ANONYMOUS, Refusal
+from buildvault.server.auth.runtime import Auth
+
+__all__ = ["AuthInterceptor", "rule_of"]
+
+_RE = "/build.bazel.remote.execution.v2."
+_BS = "/google.bytestream.ByteStream/"
+_OPEN_PREFIX = "/grpc.health.v1.Health/"
+
+# method -> (permission, where the instance name is): "field" (request.instance_name),
+# "read" / "write" (a ByteStream resource name), None (no instance: any instance will do).
+_RULES: dict[str, tuple[Permission, str | None]] = {
+    _RE + "Capabilities/GetCapabilities": (Permission.READ, "field"),
+    _RE + "ContentAddressableStorage/FindMissingBlobs": (Permission.READ, "field"),
+    _RE + "ContentAddressableStorage/BatchReadBlobs": (Permission.READ, "field"),
+    _RE + "ContentAddressableStorage/GetTree": (Permission.READ, "field"),
+    _RE + "ContentAddressableStorage/SplitBlob": (Permission.READ, "field"),
+    _RE + "ContentAddressableStorage/BatchUpdateBlobs": (Permission.WRITE, "field"),
+    _RE + "ContentAddressableStorage/SpliceBlob": (Permission.WRITE, "field"),
+    _RE + "ActionCache/GetActionResult": (Permission.READ, "field"),
+    _RE + "ActionCache/UpdateActionResult": (Permission.WRITE, "field"),
+    _RE + "Execution/Execute": (Permission.EXECUTE, "field"),
+    _RE + "Execution/WaitExecution": (Permission.EXECUTE, None),
+    _BS + "Read": (Permission.READ, "read"),
+    _BS + "Write": (Permission.WRITE, "write"),
+    _BS + "QueryWriteStatus": (Permission.WRITE, "write"),
+}
+_CAPABILITIES = _RE + "Capabilities/GetCapabilities"
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def rule_of(method: str) -> tuple[Permission, str | None] | None:
+    """The permission a method needs and where its instance is; None: always open (health).
+    Methods not listed (reflection, new services) need read on some instance."""
+    if method.startswith(_OPEN_PREFIX):
+        return None
+    return _RULES.get(method, (Permission.READ, None))
+
+
+def _instance(request: Any, where: str | None) -> str | None:
+    if where is None or request is None:
+        return None
+    if where == "field":
+        name = getattr(request, "instance_name", None)
+        return name if isinstance(name, str) else None
+    resource = getattr(request, "resource_name", "")
+    try:
+        parsed = parse_read_resource(resource) if where == "read" else parse_write_resource(resource)
+    except InvalidDigest:
+        return None  # the service refuses the name itself (INVALID_ARGUMENT), storing nothing
+    return parsed.instance_name
+
+
+def _authorization(context: Context) -> str | None:
+    found = None
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            if found is not None:
+                raise Refusal(True, "malformed", "unauthenticated: more than one authorization metadata entry")
+            found = value if isinstance(value, str) else "\x00"
+    return found
+
+
+def _cert_cn(context: Context) -> str | None:
+    names = context.auth_context().get("x509_common_name")
+    if not names:
+        return None
+    try:
+        return bytes(next(iter(names))).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks every call against `auth.policy` (read at each call, so a reload applies at once)."""
+
+    def __init__(self, auth: Auth) -> None:
+        self._auth = auth
+        # method -> (the service's handler, its checked form): wrap each handler once, not per call.
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
+    async def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        if len(self._wrapped) < 256:  # method names are the client's: keep the memo bounded
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> Any:
+        rule = rule_of(method)
+        if rule is None:
+            return handler
+        check = _Check(self._auth, method, rule)
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=check.unary(handler.unary_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=check.unary_stream(handler.unary_stream))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=check.stream_unary(handler.stream_unary))
+        return handler._replace(stream_stream=check.stream_stream(handler.stream_stream))
+
+
+class _Check:
+    """The check of one method, and the wrappers that run it before the service."""
+
+    __slots__ = ("auth", "method", "permission", "where")
+
+    def __init__(self, auth: Auth, method: str, rule: tuple[Permission, str | None]) -> None:
+        self.auth = auth
+        self.method = method
+        self.permission, self.where = rule
+
+    async def run(self, request: Any, context: Context) -> str | None:
+        """The caller's principal; a refusal aborts the call (counted, logged)."""
+        policy = self.auth.policy
+        if not policy.enabled:
+            logs.set_principal(ANONYMOUS)
+            return None
+        started = time.perf_counter()
+        try:
+            cn = _cert_cn(context) if policy.certificates_identify else None
+            principal = await policy.authenticate(_authorization(context), cn)
+            # GetCapabilities answers every caller whose credential (if any) is good: a client
+            # without write permission learns update_enabled=false instead of failing to start.
+            if self.method != _CAPABILITIES:
+                policy.authorize(principal, self.permission, _instance(request, self.where))
+        except Refusal as refusal:
+            self.auth.refused("grpc", refusal)
+            code = grpc.StatusCode.UNAUTHENTICATED if refusal.unauthenticated else grpc.StatusCode.PERMISSION_DENIED
+            token = logs.begin_request()
+            if token is not None:
+                logs.note(principal=ANONYMOUS, refused=refusal.reason)
+                logs.end_request(token, self.method.rpartition("/")[2], code.name, started, context.peer())
+            await context.abort(code, str(refusal))
+        logs.set_principal(principal or ANONYMOUS)
+        return principal
+
+    def update_enabled(self, principal: str | None, request: Any, response: Any) -> Any:
+        """GetCapabilities: `update_enabled` as this caller's ActionCache write permission."""
+        allowed = self.auth.policy.allows(principal, Permission.WRITE, _instance(request, "field"))
+        answer = re_pb2.ServerCapabilities()
+        answer.CopyFrom(response)
+        answer.cache_capabilities.action_cache_update_capabilities.update_enabled = allowed
+        return answer
+
+    def unary(self, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        capabilities = self.method == _CAPABILITIES
+
+        async def checked(request: Any, context: Context) -> Any:
+            principal = await self.run(request, context)
+            response = await behaviour(request, context)
+            if capabilities and self.auth.policy.enabled and response is not None:
+                return self.update_enabled(principal, request, response)
+            return response
+
+        return checked
+
+    def unary_stream(self, behaviour: Callable[..., Any], *, streaming_requests: bool = False) -> Callable[..., Any]:
+        """Also stream_stream (`streaming_requests`: the check sees no request, any instance will do)."""
+        if inspect.isasyncgenfunction(behaviour):
+
+            async def generator(request: Any, context: Context) -> AsyncIterator[Any]:
+                await self.run(None if streaming_requests else request, context)
+                async for response in behaviour(request, context):
+                    yield response
+
+            return generator
+
+        async def writing(request: Any, context: Context) -> Any:
+            await self.run(None if streaming_requests else request, context)
+            return await behaviour(request, context)
+
+        return writing
+
+    def stream_unary(self, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        async def checked(requests: Any, context: Context) -> Any:
+            if not self.auth.policy.enabled:
+                logs.set_principal(ANONYMOUS)
+                return await behaviour(requests, context)
+            # The first message names the resource: read it, check, then hand the whole stream on.
+            iterator = requests.__aiter__()
+            try:
+                first = await iterator.__anext__()
+            except StopAsyncIteration:
+                first = None
+            await self.run(first, context)
+            return await behaviour(_prepend(first, iterator), context)
+
+        return checked
+
+    def stream_stream(self, behaviour: Callable[..., Any]) -> Callable[..., Any]:
+        return self.unary_stream(behaviour, streaming_requests=True)
+
+
+async def _prepend(first: Any, rest: Any) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+    async for message in rest:
+        yield message

@@ -1,0 +1,17 @@
+"""The standard `grpc.health.v1.Health` service, open to every caller (the interceptor lets it by)."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+__all__ = ["add_health_service"]
+
+
+async def add_health_service(server: grpc.aio.Server, services: list[str]) -> health.aio.HealthServicer:
+    """Register Health on `server`: SERVING for "" (the whole server) and each service name."""
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ["", *services]:
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return servicer

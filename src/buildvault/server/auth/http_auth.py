@@ -1,0 +1,89 @@
+"""The HTTP side of access control: an aiohttp middleware and the always-open `/healthz`.
+
+GET and HEAD read; every other method writes (PUT stores; the rest get 405 from the handler
+once allowed). The instance comes from the cache path; a path that does not parse needs the
+permission on some instance and then gets the handler's own 400. `/status` and `/metrics`
+need read on some instance (`--metrics-require-auth false` opens `/metrics`). Refusals are 401
+with `WWW-Authenticate: Basic realm="buildvault"` or 403 naming the permission and instance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from buildvault import logs
+from buildvault.digest import InvalidDigest
+from buildvault.server.auth.grants import Permission
+from buildvault.server.auth.policy import ANONYMOUS, Refusal
+from buildvault.server.auth.runtime import Auth
+from buildvault.server.auth.tls import common_name
+
+__all__ = ["HEALTHZ", "auth_middleware", "healthz"]
+
+HEALTHZ = "/healthz"
+CHALLENGE = {"WWW-Authenticate": 'Basic realm="buildvault"'}
+_PAGES = frozenset({"/", "/status", "/status.html", "/metrics"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+InstanceOf = Callable[[str], str]
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """200 while the server runs; never asks for credentials."""
+    return web.Response(text="ok\n")
+
+
+def _cert_cn(request: web.Request) -> str | None:
+    transport = request.transport
+    if transport is None:
+        return None
+    ssl_object = transport.get_extra_info("ssl_object")
+    if ssl_object is None:
+        return None
+    return common_name(ssl_object.getpeercert())
+
+
+def _authorization(request: web.Request) -> str | None:
+    values = request.headers.getall("Authorization", [])
+    if len(values) > 1:
+        raise Refusal(True, "malformed", "unauthenticated: more than one Authorization header")
+    return values[0] if values else None
+
+
+def auth_middleware(auth: Auth, instance_of: InstanceOf) -> Any:
+    """`instance_of(raw_path)`: the cache path's instance name, InvalidDigest when it is no cache path."""
+    open_metrics = not auth.settings.metrics_require_auth
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        policy = auth.policy
+        path = request.path
+        if not policy.enabled or path == HEALTHZ or (open_metrics and path == "/metrics"):
+            logs.note(principal=ANONYMOUS)
+            return await handler(request)
+        permission = Permission.READ if request.method in ("GET", "HEAD") else Permission.WRITE
+        instance: str | None = None
+        if path not in _PAGES:
+            try:
+                instance = instance_of(request.rel_url.raw_path)
+            except InvalidDigest:
+                instance = None
+        try:
+            cn = _cert_cn(request)
+            if cn is None and auth.requires_client_certificate:
+                raise Refusal(True, "no_client_certificate", "unauthenticated: a client certificate is required")
+            principal = await policy.authenticate(_authorization(request), cn)
+            policy.authorize(principal, permission, instance)
+        except Refusal as refusal:
+            auth.refused("http", refusal)
+            logs.note(principal=ANONYMOUS, refused=refusal.reason)
+            if refusal.unauthenticated:
+                return web.Response(status=401, text=str(refusal) + "\n", headers=CHALLENGE)
+            return web.Response(status=403, text=str(refusal) + "\n")
+        logs.note(principal=principal or ANONYMOUS)
+        return await handler(request)
+
+    return middleware

@@ -1,0 +1,132 @@
+"""The server's access-control state: built from Settings at start-up, swapped whole on reload.
+
+    auth = Auth.from_settings(settings, metrics)   # AuthStartupError names the bad setting
+    auth.policy                                     # the current Policy snapshot
+    await auth.reload()                             # SIGHUP: reread files; a bad file keeps the old state
+    auth.refused("grpc", refusal)                   # count a refusal by reason
+
+With no credential file, no access file and no client certificates, `auth.policy.enabled` is
+False and both front ends skip every check (today's open server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from buildvault.config import Settings
+from buildvault.server.auth.credentials import Credentials, CredentialsFileError, load_htpasswd, load_tokens
+from buildvault.server.auth.grants import Grants, load_access_file
+from buildvault.server.auth.policy import Policy, Refusal
+from buildvault.server.auth.tls import Tls, TlsError
+
+__all__ = ["Auth", "AuthStartupError", "load_policy"]
+
+log = logging.getLogger("buildvault.auth")
+
+_LOOPBACK_HOSTS = ("127.", "localhost", "[::1]", "::1")
+
+
+class AuthStartupError(RuntimeError):
+    """A certificate, key or auth file cannot be used at start-up; the message names the setting."""
+
+
+def load_policy(settings: Settings) -> Policy:
+    """Read the htpasswd, token and access files named in `settings` (blocking)."""
+    htpasswd = load_htpasswd(Path(settings.htpasswd_file)) if settings.htpasswd_file else {}
+    tokens = load_tokens(Path(settings.token_file)) if settings.token_file else []
+    grants: Grants | None = load_access_file(Path(settings.access_file)) if settings.access_file else None
+    certificates = settings.tls_client_auth != "none"
+    enabled = bool(settings.htpasswd_file or settings.token_file or settings.access_file or certificates)
+    return Policy(
+        enabled=enabled,
+        credentials=Credentials(htpasswd, tokens),
+        grants=grants,
+        allow_unauthenticated_reads=settings.allow_unauthenticated_reads,
+        certificates_identify=certificates,
+    )
+
+
+class Auth:
+    """What the listeners share: the current Policy, the TLS state, the refusal counter."""
+
+    def __init__(self, settings: Settings, policy: Policy, tls: Tls | None, metrics: Any = None) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.tls = tls
+        self.metrics = metrics
+        self.reloads = 0  # successful reloads (tests wait on it)
+        self.failed_reloads = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, metrics: Any = None) -> Auth:
+        try:
+            policy = load_policy(settings)
+        except CredentialsFileError as e:
+            raise AuthStartupError(_setting_named(settings, str(e))) from None
+        tls = None
+        if settings.tls_cert_file:
+            try:
+                tls = Tls(
+                    settings.tls_cert_file,
+                    settings.tls_key_file,
+                    settings.tls_client_ca_file,
+                    settings.tls_client_auth,
+                    settings.min_tls_version,
+                )
+            except TlsError as e:
+                raise AuthStartupError(str(e)) from None
+        auth = cls(settings, policy, tls, metrics)
+        auth._warn_if_open()
+        return auth
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy.enabled
+
+    @property
+    def requires_client_certificate(self) -> bool:
+        return self.tls is not None and self.tls.requires_client_certificate
+
+    def refused(self, protocol: str, refusal: Refusal) -> None:
+        if self.metrics is not None:
+            self.metrics.auth_refused(protocol, refusal.reason)
+
+    async def reload(self) -> bool:
+        """Reread every file; on any error keep the old settings, log why and return False."""
+        try:
+            policy = await asyncio.to_thread(load_policy, self.settings)
+            files = await asyncio.to_thread(self.tls.read) if self.tls is not None else None
+        except (CredentialsFileError, TlsError) as e:
+            self.failed_reloads += 1
+            log.error("reload failed, keeping the previous settings: %s", e)
+            return False
+        if self.tls is not None and files is not None:
+            self.tls.apply(files)
+        self.policy = policy
+        self.reloads += 1
+        log.info("reloaded access control%s", " and TLS certificates" if self.tls is not None else "")
+        return True
+
+    def _warn_if_open(self) -> None:
+        if self.policy.enabled:
+            return
+        s = self.settings
+        for name, address in (("gRPC", s.grpc_address), ("HTTP", s.http_address)):
+            if address and not address.startswith(_LOOPBACK_HOSTS):
+                log.warning(
+                    "the %s listener binds %s with no credentials configured: anyone who can reach it "
+                    "can write to the cache (set --token-file, --htpasswd-file or client certificates)",
+                    name,
+                    address,
+                )
+
+
+def _setting_named(settings: Settings, message: str) -> str:
+    for name in ("htpasswd_file", "token_file", "access_file"):
+        path = getattr(settings, name)
+        if path and path in message:
+            return f"{name}: {message}"
+    return message
