@@ -30,7 +30,8 @@ from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
-from buildvault.storage import ActionStore, BlobStore, StorageError
+from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage.build import StackError, StoreStack, open_store_stack
 
 log = logging.getLogger("buildvault.app")
 
@@ -38,7 +39,7 @@ try:
     from importlib.metadata import version as _dist_version
 
     VERSION = _dist_version("buildvault")
-except Exception:  # noqa: BLE001 - running from a bare checkout
+except Exception:
     VERSION = "dev"
 
 
@@ -135,11 +136,10 @@ class App:
         self.services: Services | None = None
         self.listeners: list[Listener] = []
         self._closers: list[Any] = []
-        self._store_label = ""
+        self.stack: StoreStack | None = None
         self.started_at: float | None = None
         # Owned by this App (not the global registry): two servers in one process count apart.
         self.metrics = Metrics(version=VERSION)
-        self._storage_stats: Any = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -161,13 +161,14 @@ class App:
 
     async def start(self) -> None:
         try:
-            blobs, actions = await self._open_stores()
+            self.stack = stack = await self._open_stores()
+            blobs, actions = stack.blobs, stack.actions
             self.services = Services(
                 blobs=blobs,
                 actions=actions,
                 action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE),
                 uploads=Uploads(blobs, grace=self.upload_grace),
-                max_cas_blob_size=self._max_blob_size(),
+                max_cas_blob_size=stack.max_blob_size,
                 extra={"metrics": self.metrics},
             )
             self.listeners = self._build_listeners(self.services)
@@ -184,7 +185,7 @@ class App:
         if self.settings.grpc_address:
             listeners.append(GrpcListener(self.settings.grpc_address, services))
         if self.settings.http_address:
-            stats = self._storage_stats or getattr(self._given[0], "stats", None)
+            stats = self.stack.local_stats if self.stack is not None else None
             listeners.append(
                 HttpListener.from_services(self.settings.http_address, services, self.metrics, VERSION, stats=stats)
             )
@@ -199,7 +200,7 @@ class App:
         for close in reversed(closers):
             try:
                 await close()
-            except Exception:  # noqa: BLE001 - keep closing the rest
+            except Exception:
                 log.exception("error while closing a store")
 
     async def hurry(self) -> None:
@@ -215,51 +216,22 @@ class App:
 
     # -- stores ---------------------------------------------------------------------------
 
-    def _max_blob_size(self) -> int:
-        return self.settings.max_size if self._store_label.startswith("disk") else 0
-
-    async def _open_stores(self) -> tuple[BlobStore, ActionStore]:
+    async def _open_stores(self) -> StoreStack:
         blobs, actions = self._given
-        if blobs is not None and actions is not None:
-            self._store_label = f"given ({type(blobs).__name__})"
-            return blobs, actions
-        from buildvault.storage.disk import DiskStorage
-
-        directory = self.settings.dir
         try:
-            storage = await DiskStorage.open(directory, self.settings.max_size)
-            self._storage_stats = storage.stats
-        except (OSError, StorageError) as e:
-            raise StartupError(f"cannot open the data directory {directory}: {e}") from None
-        self._closers.append(storage.close)
-        self._store_label = f"disk {directory} (max {_size(self.settings.max_size)})"
-        blobs, actions = storage.cas, storage.ac
-        if self.settings.s3_bucket:
-            from buildvault.storage.tiered import build_object_tier
-
-            tier = build_object_tier(self.settings, blobs, actions)
-            if tier is not None:
-                await tier.start()
-                self._closers.append(tier.aclose)
-                self.metrics.watch_object_tier(tier.stats)
-                blobs, actions = tier.cas, tier.ac
-                where = self.settings.s3_endpoint or "AWS"
-                self._store_label += f" + bucket {self.settings.s3_bucket} at {where}"
-        return blobs, actions
+            stack = await open_store_stack(self.settings, self.metrics, blobs=blobs, actions=actions)
+        except StackError as e:
+            raise StartupError(str(e)) from None
+        self._closers.append(stack.aclose)
+        self.metrics.watch_object_tier(stack.object_tier_stats)
+        return stack
 
     def _banner(self) -> None:
         addresses = " ".join(f"{name}={self.address(name) or 'off'}" for name in ("grpc", "http"))
         lines = [f"{logs.READY_PREFIX} {addresses}", f"  buildvault {VERSION}"]
         for listener in self.listeners:
             lines.append(f"  {listener.name:<6} {listener.address}")
-        lines.append(f"  store  {self._store_label}")
+        lines.append(f"  store  {self.stack.label if self.stack is not None else 'none'}")
         lines.append(f"  log    {self.settings.log_level}")
         logs.banner(lines)
 
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
