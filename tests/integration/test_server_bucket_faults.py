@@ -46,7 +46,7 @@ REQUEST_LIMIT = 1.5
 
 
 @pytest.fixture
-def proxy(s3) -> Iterator[FaultProxy]:
+def proxy(s3) -> Iterator[FaultProxy]:  # noqa: F811 - the imported fixture
     p = FaultProxy(("127.0.0.1", s3.port), latency=2.0).start()
     try:
         yield p
@@ -106,13 +106,14 @@ async def get_action(stubs: Stubs, action: re_pb2.Digest) -> re_pb2.ActionResult
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-async def test_bucket_fault_is_invisible_to_a_build(fault, s3, proxy, buildvault_server_factory):
+async def test_bucket_fault_is_invisible_to_a_build(fault, s3, proxy, buildvault_server_factory):  # noqa: F811
     bucket = create_bucket(s3.endpoint)
     # What another server uploaded earlier: outputs and their action entry, in the bucket only.
     earlier = [os.urandom(300) for _ in range(5)]
     put_objects(s3.endpoint, bucket, {cas_key(d): d for d in earlier})
     earlier_action, earlier_result = new_action(), action_result(earlier)
-    raw_client(s3.endpoint).put_object(Bucket=bucket, Key=ac_key(earlier_action), Body=earlier_result.SerializeToString())
+    entry = earlier_result.SerializeToString()
+    raw_client(s3.endpoint).put_object(Bucket=bucket, Key=ac_key(earlier_action), Body=entry)
 
     server = buildvault_server_factory("b", extra_args=tier_args(proxy.endpoint, bucket))
     built = [os.urandom(1000 + i) for i in range(20)]
@@ -126,7 +127,8 @@ async def test_bucket_fault_is_invisible_to_a_build(fault, s3, proxy, buildvault
         wanted = [digest(d) for d in [*earlier, *built, big]]
         absent = await timed("FindMissingBlobs", missing(stubs, wanted))
         assert {(d.hash, d.size_bytes) for d in map(digest, [*built, big])} <= absent
-        await timed("BatchUpdateBlobs", batch_update(stubs, [d for d in [*earlier, *built] if (digest(d).hash, len(d)) in absent]))
+        uploads = [d for d in [*earlier, *built] if (digest(d).hash, len(d)) in absent]
+        await timed("BatchUpdateBlobs", batch_update(stubs, uploads))
         assert await timed("ByteStream Write", write(stubs, big)) == len(big)
         action = new_action()
         update = re_pb2.UpdateActionResultRequest(action_digest=action, action_result=action_result([*built[:3], big]))

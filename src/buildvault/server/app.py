@@ -39,7 +39,7 @@ try:
     from importlib.metadata import version as _dist_version
 
     VERSION = _dist_version("buildvault")
-except Exception:
+except Exception:  # running from a bare checkout
     VERSION = "dev"
 
 
@@ -200,7 +200,7 @@ class App:
         for close in reversed(closers):
             try:
                 await close()
-            except Exception:
+            except Exception:  # keep closing the rest
                 log.exception("error while closing a store")
 
     async def hurry(self) -> None:

@@ -199,7 +199,7 @@ class _ObjectTierCollector:
             return []
         try:
             stats = source()
-        except Exception:
+        except Exception:  # /metrics must answer even if the tier cannot tell
             log.warning("object tier stats failed", exc_info=True)
             return []
         return list(self._families(stats))
@@ -441,7 +441,7 @@ class _Call:
 def _code_of(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
     try:
         code = context.code()
-    except Exception:
+    except Exception:  # older grpc.aio contexts
         code = None
     if code is None:
         return default

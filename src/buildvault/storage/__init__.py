@@ -160,7 +160,7 @@ async def read_blobs_one_by_one(store: BlobStore, digests: Sequence[Digest]) -> 
             chunks = await store.read(digest)
             parts = [chunk async for chunk in chunks]
             return parts[0] if len(parts) == 1 else b"".join(parts)
-        except Exception as e:
+        except Exception as e:  # that blob's outcome
             return e
 
     return list(await asyncio.gather(*(one(d) for d in digests)))
@@ -173,7 +173,7 @@ async def write_blobs_one_by_one(store: BlobStore, items: Sequence[tuple[Digest,
         try:
             await store.write(digest, single_chunk(data))
             return None
-        except Exception as e:
+        except Exception as e:  # that blob's outcome
             return e
 
     return list(await asyncio.gather(*(one(d, data) for d, data in items)))

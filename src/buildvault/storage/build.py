@@ -63,7 +63,7 @@ class StoreStack:
         for close in reversed(closers):
             try:
                 await close()
-            except Exception as exc:
+            except Exception as exc:  # keep closing the rest
                 errors.append(exc)
         if errors:
             raise errors[0]

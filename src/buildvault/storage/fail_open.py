@@ -45,6 +45,22 @@ MiB = 1 << 20
 CLEAN_ANSWERS = (NotFound, InvalidRange, DigestMismatch)
 
 
+class _SourceFailed(Exception):
+    """The caller's own chunk stream failed during a write: its error, not the tier's."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+async def _tagged(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # re-raised as itself by _Guard.call
+        raise _SourceFailed(exc) from exc
+
+
 class SlowTierHealth:
     """Up/down state of a slow tier. Logs once per change; probes with capped backoff while down."""
 
@@ -102,10 +118,11 @@ class SlowTierHealth:
         while not self._healthy and not self._closed:
             await asyncio.sleep(delay)  # backoff between probes, not synchronisation
             try:
-                await asyncio.wait_for(self._probe(), self._probe_timeout)
+                async with asyncio.timeout(self._probe_timeout):
+                    await self._probe()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # still down, whatever the reason
                 logger.debug("%s probe failed: %s", self.name, exc)
                 delay = min(delay * 2, self._max_backoff)
             else:
@@ -138,11 +155,15 @@ class _Guard:
         if not self.health.healthy:
             raise Unavailable(f"{what}: {self.health.name} is unavailable")
         try:
-            result = await asyncio.wait_for(start(), seconds)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation of the caller.
+            async with asyncio.timeout(seconds):
+                result = await start()
         except CLEAN_ANSWERS:
             self.health.ok()
             raise
-        except Exception as exc:
+        except _SourceFailed as exc:
+            raise exc.error from None
+        except Exception as exc:  # any other failure: the tier is unavailable
             raise self.unavailable(exc, what) from exc
         self.health.ok()
         return result
@@ -166,12 +187,13 @@ class _Guard:
         try:
             while True:
                 try:
-                    chunk = await asyncio.wait_for(anext(chunks), self.timeout)
+                    async with asyncio.timeout(self.timeout):
+                        chunk = await anext(chunks)
                 except StopAsyncIteration:
                     return
                 except CLEAN_ANSWERS:
                     raise
-                except Exception as exc:
+                except Exception as exc:  # a mid-stream failure of the tier
                     raise self.unavailable(exc, f"{what} (mid-stream)") from exc
                 yield chunk
         finally:
@@ -219,7 +241,7 @@ class FailOpenBlobStore(ForwardingBlobStore):
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
         seconds = self._guard.upload_timeout(digest.size_bytes)
-        await self._guard.call(lambda: self.inner.write(digest, chunks), seconds, f"upload of blob {digest}")
+        await self._guard.call(lambda: self.inner.write(digest, _tagged(chunks)), seconds, f"upload of blob {digest}")
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         seconds = self._guard.upload_timeout(sum(d.size_bytes for d, _ in items))

@@ -173,7 +173,7 @@ class TieredBlobStore:
     async def _backfill_batch(self, items: list[tuple[Digest, bytes]]) -> None:
         try:
             outcomes = await self.fast.write_blobs(items)
-        except Exception as exc:
+        except Exception as exc:  # serving the blobs matters more than caching them
             outcomes = [exc] * len(items)
         for (digest, _), outcome in zip(items, outcomes, strict=True):
             if outcome is None:
@@ -217,7 +217,7 @@ class TieredBlobStore:
                     raise
                 if complete:
                     self.counters["backfill_failures"] += 1
-            except Exception as exc:
+            except Exception as exc:  # the client got its bytes; the local copy is optional
                 self.counters["backfill_failures"] += 1
                 logger.warning("backfill of blob %s into the local tier failed: %s", digest, exc)
 
@@ -331,7 +331,7 @@ class TieredActionStore:
         self.counters["slow_hits"] += 1
         try:
             await self.fast.put(namespace, digest, data)
-        except Exception as exc:
+        except Exception as exc:  # serving the entry matters more than caching it
             logger.warning("caching action entry %s locally failed: %s", digest, exc)
         return data
 
@@ -382,7 +382,7 @@ def _settle_later(add_task: asyncio.Future[Ticket], journal: UploadJournal, ok: 
     async def settle() -> None:
         try:
             ticket = await add_task
-        except BaseException:
+        except BaseException:  # the add failed and cleaned up after itself
             return
         if ok:
             journal.release(ticket)
