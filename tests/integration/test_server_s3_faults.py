@@ -171,8 +171,7 @@ async def test_corrupt_object_in_bucket_is_never_served(s3, buildvault_server_fa
     s3_client.put_object(Bucket=bucket, Key=ac_key(action), Body=original["Body"].read()[:-1] + b"\x00",
                          Metadata=original["Metadata"])  # fmt: skip
 
-    # Empty disk; a long request budget: the test S3 server answers HEADs one at a time, slowly.
-    consumer = start_tier_server(buildvault_server_factory, "consumer", s3, bucket, "--s3-request-budget", "5")
+    consumer = start_tier_server(buildvault_server_factory, "consumer", s3, bucket)  # empty disk
     async with connect(consumer) as stubs:
         reply = await stubs.cas.BatchReadBlobs(
             re_pb2.BatchReadBlobsRequest(digests=[digest(small), digest(short)])
@@ -248,8 +247,7 @@ async def test_warm_find_missing_of_1000_blobs_makes_no_head_requests(s3, buildv
         assert await missing(stubs, digests) == set()
         assert s3_requests(producer.http_address) == before  # all local
 
-    # Empty disk; a long request budget: the test S3 server answers HEADs one at a time, slowly.
-    consumer = start_tier_server(buildvault_server_factory, "consumer", s3, bucket, "--s3-request-budget", "5")
+    consumer = start_tier_server(buildvault_server_factory, "consumer", s3, bucket)  # empty disk
     async with connect(consumer) as stubs:
         cold = s3_requests(consumer.http_address)
         # Two clients asking at once share the HEADs: each digest is asked about once.
