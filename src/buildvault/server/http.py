@@ -227,7 +227,7 @@ class HttpCache:
         self.action_store = action_store
         self.action_cache = action_cache or ActionCache(cas, action_store)
         self.metrics = metrics
-        self.stats_source = stats if stats is not None else getattr(cas, "stats", None)
+        self.stats_source = stats
         self.max_blob_size = max_blob_size or None
         self.max_entry_size = max_entry_size
         self.version = version or metrics.version or _version()
