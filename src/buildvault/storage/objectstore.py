@@ -170,10 +170,11 @@ class ObjectStore:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def _call(self, kind: str, what: str, method: str, **params: Any) -> Any:
+    async def _call(self, kind: str, what: str, method: Callable[..., Any], **params: Any) -> Any:
+        """One API call (`method` of the boto3 client) on this bucket, counted by `kind`, errors mapped."""
         self.request_counts[kind] = self.request_counts.get(kind, 0) + 1
         try:
-            return await self._run(getattr(self._client, method), Bucket=self.bucket, **params)
+            return await self._run(method, Bucket=self.bucket, **params)
         except Exception as exc:
             raise map_error(exc, what) from exc
 
@@ -190,14 +191,14 @@ class ObjectStore:
 
     async def probe(self) -> None:
         """One cheap request proving the bucket is reachable (HEAD bucket); raises Unavailable."""
-        await self._call("HEAD_BUCKET", f"bucket {self.bucket}", "head_bucket")
+        await self._call("HEAD_BUCKET", f"bucket {self.bucket}", self._client.head_bucket)
 
     # -- BlobStore ----------------------------------------------------------------------
 
     async def exists(self, digest: Digest) -> bool:
         """HEAD the blob: True iff an object of the right size is stored under its key."""
         try:
-            head = await self._call("HEAD", f"blob {digest}", "head_object", Key=self.cas_key(digest))
+            head = await self._call("HEAD", f"blob {digest}", self._client.head_object, Key=self.cas_key(digest))
         except NotFound:
             return False
         size = head.get("ContentLength")
@@ -223,7 +224,8 @@ class ObjectStore:
             probe = Digest.parse(hash, 0, function)
         except InvalidDigest:
             raise NotFound(f"blob {function.label}:{str(hash)[:64]} not found") from None
-        head = await self._call("HEAD", f"blob {function.label}:{hash}", "head_object", Key=self.cas_key(probe))
+        what = f"blob {function.label}:{hash}"
+        head = await self._call("HEAD", what, self._client.head_object, Key=self.cas_key(probe))
         size = head.get("ContentLength")
         if not isinstance(size, int) or size < 0:
             raise NotFound(f"blob {function.label}:{hash}: the object store did not say its size")
@@ -248,7 +250,7 @@ class ObjectStore:
         key = self.cas_key(digest)
         what = f"blob {digest}"
         if offset == 0 and end == size:
-            response = await self._call("GET", what, "get_object", Key=key)
+            response = await self._call("GET", what, self._client.get_object, Key=key)
             body = response["Body"]
             length = response.get("ContentLength")
             if length is not None and length != size:
@@ -260,7 +262,7 @@ class ObjectStore:
             if not await self.exists(digest):
                 raise NotFound(f"{what}: not in the bucket")
             return _empty()
-        response = await self._call("GET", what, "get_object", Key=key, Range=f"bytes={offset}-{end - 1}")
+        response = await self._call("GET", what, self._client.get_object, Key=key, Range=f"bytes={offset}-{end - 1}")
         body = response["Body"]
         total = _content_range_total(response.get("ContentRange"))
         length = response.get("ContentLength")
@@ -367,7 +369,7 @@ class ObjectStore:
             await self._call(
                 "PUT",
                 what,
-                "put_object",
+                self._client.put_object,
                 Key=self.cas_key(digest),
                 Body=body,
                 ContentLength=digest.size_bytes,
@@ -382,7 +384,11 @@ class ObjectStore:
         key = self.cas_key(digest)
         part_size = max(self.part_size, -(-digest.size_bytes // S3_MAX_PARTS))
         created = await self._call(
-            "MULTIPART_CREATE", what, "create_multipart_upload", Key=key, ContentType="application/octet-stream"
+            "MULTIPART_CREATE",
+            what,
+            self._client.create_multipart_upload,
+            Key=key,
+            ContentType="application/octet-stream",
         )
         upload_id = created["UploadId"]
         hasher = new_hasher(digest.function)
@@ -393,8 +399,9 @@ class ObjectStore:
         async def flush(data: bytes) -> None:
             number = len(parts) + 1
             result = await self._call(
-                "MULTIPART_PART", what, "upload_part", Key=key, UploadId=upload_id, PartNumber=number, Body=data
-            )
+                "MULTIPART_PART", what, self._client.upload_part, Key=key, UploadId=upload_id, PartNumber=number,
+                Body=data,
+            )  # fmt: skip
             parts.append({"ETag": result["ETag"], "PartNumber": number})
 
         completed = False
@@ -416,7 +423,7 @@ class ObjectStore:
             await self._call(
                 "MULTIPART_COMPLETE",
                 what,
-                "complete_multipart_upload",
+                self._client.complete_multipart_upload,
                 Key=key,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
@@ -430,7 +437,7 @@ class ObjectStore:
 
     async def _abort_multipart(self, key: str, upload_id: str, what: str) -> None:
         try:
-            await self._call("MULTIPART_ABORT", what, "abort_multipart_upload", Key=key, UploadId=upload_id)
+            await self._call("MULTIPART_ABORT", what, self._client.abort_multipart_upload, Key=key, UploadId=upload_id)
         except StorageError as exc:
             logger.warning("%s: could not abort multipart upload %s: %s", what, upload_id, exc)
 
@@ -438,7 +445,7 @@ class ObjectStore:
 
     async def get(self, namespace: str, digest: Digest) -> bytes:
         what = f"entry {digest} in {namespace!r}"
-        response = await self._call("GET", what, "get_object", Key=self.ac_key(namespace, digest))
+        response = await self._call("GET", what, self._client.get_object, Key=self.ac_key(namespace, digest))
         body = response["Body"]
         try:
             length = response.get("ContentLength") or 0
@@ -463,7 +470,7 @@ class ObjectStore:
         await self._call(
             "PUT",
             what,
-            "put_object",
+            self._client.put_object,
             Key=self.ac_key(namespace, digest),
             Body=data,
             ContentLength=len(data),
