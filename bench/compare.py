@@ -110,7 +110,9 @@ def ensure_buildgrid(venv: Path, version: str | None, upgrade: bool) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def start(name: str, data_dir: Path, log_path: Path) -> servers.Server:
+def start(name: str, data_dir: Path, log_path: Path, bucket: bool = False) -> servers.Server:
+    if name == "buildvault" and bucket:
+        return servers.start_buildvault_on_bucket(data_dir, log_path)
     if name == "buildvault":
         return servers.start_buildvault(data_dir, log_path)
     return servers.start_buildgrid(data_dir, log_path)
@@ -270,6 +272,7 @@ def write_report(
         f"- buildvault revision {meta['revision']}; BuildGrid {meta['buildgrid']} (PyPI), disk CAS,",
         "  LRU action cache stored in that CAS, no auth, no monitoring, thread-pool-size 64",
         f"- repetitions: {args.reps}{' (quick sizes)' if args.quick else ''}"
+        + ("; buildvault with the object-store tier on (moto_server on loopback)" if args.bucket else "")
         + (f"; scenarios: `{args.scenarios}`" if args.scenarios else ""),
         "- machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
         "",
@@ -425,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", help="harness scenario filter, e.g. 'fmb_*,bs_*_512MiB*'")
     parser.add_argument("--quick", action="store_true", help="harness --quick sizes (a smoke test of this script)")
     parser.add_argument("--no-bazel", action="store_true", help="skip the warm Bazel build figure")
+    parser.add_argument("--bucket", action="store_true",
+                        help="buildvault with the object-store tier on (the S3 test server on loopback)")  # fmt: skip
     parser.add_argument("--bazel-libs", type=int, default=60, help="generated libraries in the Bazel build")
     parser.add_argument("--bazel-reps", type=int, default=5, help="timed warm builds per backend")
     parser.add_argument("--buildgrid-version", help="pin BuildGrid (default: newest for this Python)")
@@ -456,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 log(f"repetition {rep + 1}/{args.reps}: {name}")
                 data = workdir / f"{name}-{rep}"
-                server = start(name, data, workdir / f"{name}-{rep}.log")
+                server = start(name, data, workdir / f"{name}-{rep}.log", bucket=args.bucket)
                 try:
                     runs[name].append(
                         run_harness(server, args, workdir / f"{name}-{rep}.json", workdir / f"{name}-{rep}.out")

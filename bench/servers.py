@@ -17,7 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,8 @@ class Server:
     process: subprocess.Popen[bytes]
     log_path: Path
     data_dir: Path
+    # Processes this server needs and stop() ends after it (the S3 test server of a bucket run).
+    companions: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -101,6 +103,55 @@ def start_buildvault(
         time.sleep(0.05)
     stop(server)
     raise ServerError(f"buildvault not ready after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+# Fake credentials for the S3 test server (moto accepts any); no profile or metadata lookups.
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_EC2_METADATA_DISABLED": "true",
+}  # fmt: skip
+
+
+def start_buildvault_on_bucket(data_dir: Path, log_path: Path, timeout: float = 60.0) -> Server:
+    """buildvault with the object-store tier on: `moto_server` (the S3 test server) on loopback,
+    one fresh bucket, and `start_buildvault` pointed at it. stop() ends both."""
+    import boto3  # the benchmark venv has the test extras
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    moto = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                  log_path.with_suffix(".moto.log"), ROOT, env={**os.environ, **S3_ENV})  # fmt: skip
+    session = boto3.session.Session(region_name="us-east-1", aws_access_key_id="bench", aws_secret_access_key="bench")
+    client = session.client("s3", endpoint_url=endpoint)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.create_bucket(Bucket="bench")
+            break
+        except Exception:  # not listening yet
+            if moto.poll() is not None or time.monotonic() > deadline:
+                moto.kill()
+                raise ServerError(f"moto_server did not start on port {port}") from None
+            time.sleep(0.1)
+    old = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(S3_ENV)  # inherited by the server: the standard credential chain finds them
+    try:
+        server = start_buildvault(
+            data_dir, log_path, ["--s3-endpoint", endpoint, "--s3-bucket", "bench", "--s3-region", "us-east-1"],
+            timeout=timeout,
+        )
+    except BaseException:
+        moto.kill()
+        raise
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    server.name = "buildvault+s3"
+    server.companions.append(moto)
+    return server
 
 
 def buildgrid_config(address: str, data_dir: Path) -> str:
@@ -202,6 +253,14 @@ def stop(server: Server, timeout: float = 20.0) -> None:
     # children of BuildGrid left in the group
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
+    for companion in server.companions:
+        if companion.poll() is None:
+            companion.terminate()
+            try:
+                companion.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                companion.kill()
+                companion.wait(timeout=10)
 
 
 def remove(path: Path) -> None:

@@ -84,6 +84,12 @@ class Settings:
     s3_region: str = _setting("", str, "region of the bucket", "REGION")
     s3_addressing: str = _setting("path", str, "'path' or 'virtual' host addressing", "STYLE")
     s3_read_only: bool = _setting(False, parse_bool, "read from the bucket but never write to it", "BOOL")
+    s3_request_budget: float = _setting(
+        0.3,
+        float,
+        "seconds a bucket check on a request path may take before the local answer is used",
+        "SECONDS",
+    )
     s3_checksums: str = _setting(
         "when_required",
         str,
@@ -109,6 +115,8 @@ class Settings:
             raise ConfigError(f"log_level: {self.log_level!r} is not debug, info, warning or error")
         if self.s3_addressing not in ("path", "virtual"):
             raise ConfigError(f"s3_addressing: {self.s3_addressing!r} is not 'path' or 'virtual'")
+        if not self.s3_request_budget > 0:
+            raise ConfigError(f"s3_request_budget: {self.s3_request_budget!r} must be a positive number of seconds")
         if self.s3_checksums not in ("when_required", "when_supported"):
             raise ConfigError(f"s3_checksums: {self.s3_checksums!r} is not 'when_required' or 'when_supported'")
         if self.tls_client_auth not in ("none", "optional", "require"):

@@ -199,9 +199,18 @@ def s3(moto_server) -> MotoServer:
 # -- a buildvault server on the bucket -----------------------------------------------------------
 
 
+# moto answers one request at a time: on a loaded machine a burst of HEADs (a Bazel build's
+# FindMissingBlobs) takes seconds, which the default request budget (0.3 s) would rightly treat
+# as a slow bucket. Tests of that budget pass their own `--s3-request-budget` after these flags.
+TEST_SERVER_BUDGET = "10"
+
+
 def tier_args(endpoint: str, bucket: str, *extra: str) -> list[str]:
-    """`buildvault serve` flags for the object tier on `bucket` at `endpoint`."""
-    return ["--s3-endpoint", endpoint, "--s3-bucket", bucket, "--s3-region", REGION, *extra]
+    """`buildvault serve` flags for the object tier on `bucket` at `endpoint` (later flags win)."""
+    return [
+        "--s3-endpoint", endpoint, "--s3-bucket", bucket, "--s3-region", REGION,
+        "--s3-request-budget", TEST_SERVER_BUDGET, *extra,
+    ]  # fmt: skip
 
 
 def scrape(http_address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

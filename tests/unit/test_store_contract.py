@@ -1,32 +1,122 @@
-"""The BlobStore contract, run against every implementation: the memory store and the disk store."""
+"""The BlobStore contract, run against every implementation and every decorator: the memory
+store, the disk store, the tiered stack over memory and over the S3 test server (moto on
+loopback), the whole stack the builder makes, and each one-behaviour decorator over memory."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import AsyncIterator
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from s3_server import aws_env, create_bucket, s3_endpoint, session  # noqa: F401 - fixtures
+
+from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound
+from buildvault.storage.build import open_store_stack
 from buildvault.storage.disk import DiskBlobStore, DiskStorage
-from buildvault.storage.memory import MemoryBlobStore
+from buildvault.storage.empty_blob import EmptyBlobStore
+from buildvault.storage.existence_cache import ExistenceCache
+from buildvault.storage.fail_open import FailOpenBlobStore, SlowTierHealth
+from buildvault.storage.journal import UploadJournal
+from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
+from buildvault.storage.metrics import MeteredBlobStore
+from buildvault.storage.object_tier import build_object_tier
+from buildvault.storage.tiered import TieredBlobStore
+
+# Stores under the empty-blob rule: the empty blob is present before anyone writes it.
+INJECT_EMPTY = {"built", "empty-blob"}
+STORES = [
+    *("memory", "disk", "tiered-memory", "tiered-s3", "built"),
+    *("empty-blob", "existence-cache", "fail-open", "metered"),
+]
 
 
-@pytest.fixture(params=["memory", "disk"])
+class Tally:
+    """A StoreRecorder that keeps plain counts."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.read = 0
+        self.written = 0
+
+    def store_call(self, tier: str, operation: str) -> None:
+        self.calls[(tier, operation)] += 1
+
+    def store_read(self, tier: str, protocol: str | None, nbytes: int) -> None:
+        self.read += nbytes
+
+    def store_written(self, tier: str, protocol: str | None, nbytes: int) -> None:
+        self.written += nbytes
+
+    def store_action_lookup(self, tier: str, protocol: str | None, hit: bool) -> None:
+        pass
+
+
+def fail_open(inner: BlobStore) -> FailOpenBlobStore:
+    return FailOpenBlobStore(inner, SlowTierHealth(lambda: inner.find_missing([])), budget=5.0, timeout=10.0)
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(s3_endpoint: str) -> Iterator[tuple[str, str]]:  # noqa: F811 - the imported fixture
+    yield s3_endpoint, create_bucket(s3_endpoint)
+
+
+@pytest.fixture(params=STORES)
 async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BlobStore]:
-    if request.param == "memory":
-        yield MemoryBlobStore()
+    kind = request.param
+    simple = {
+        "memory": MemoryBlobStore,
+        "empty-blob": lambda: EmptyBlobStore(MemoryBlobStore()),
+        "existence-cache": lambda: ExistenceCache(MemoryBlobStore()),
+        "fail-open": lambda: fail_open(MemoryBlobStore()),
+        "metered": lambda: MeteredBlobStore(MemoryBlobStore(), Tally(), "local"),
+    }
+    if kind in simple:
+        yield simple[kind]()
         return
-    storage = await DiskStorage.open(tmp_path / "store", 1 << 30)
+    if kind == "disk":
+        storage = await DiskStorage.open(tmp_path / "store", 1 << 30)
+        try:
+            yield storage.cas
+        finally:
+            await storage.close()
+        # Whatever the test did, a disk store leaves no temp file behind.
+        assert os.listdir(tmp_path / "store" / "tmp") == []
+        return
+    if kind == "tiered-memory":
+        journal = await UploadJournal(tmp_path / "journal").open()
+        slow = ExistenceCache(MemoryBlobStore())
+        tiered = TieredBlobStore(MemoryBlobStore(), fail_open(slow), journal, known_in_slow=slow.known_present)
+        journal.start(tiered.upload)
+        try:
+            yield tiered
+        finally:
+            await journal.close()
+        return
+    if kind == "built":
+        stack = await open_store_stack(Settings(dir=tmp_path / "data"), Tally())
+        try:
+            yield stack.blobs
+        finally:
+            await stack.aclose()
+        return
+    endpoint, bucket = request.getfixturevalue("s3_bucket")
+    settings = Settings(dir=tmp_path, s3_endpoint=endpoint, s3_bucket=bucket, s3_region="us-east-1")
+    tier = build_object_tier(settings, MemoryBlobStore(), MemoryActionStore(), tmp_path, session=session(), budget=5.0)
+    assert tier is not None
+    await tier.start()
     try:
-        yield storage.cas
+        yield tier.cas
     finally:
-        await storage.close()
-    # Whatever the test did, a disk store leaves no temp file behind.
-    assert os.listdir(tmp_path / "store" / "tmp") == []
+        await tier.aclose()
 
 
 async def chunked(data: bytes, size: int = 16 * 1024) -> AsyncIterator[bytes]:
@@ -47,13 +137,15 @@ async def test_implements_the_protocols(store: BlobStore, tmp_path: Path) -> Non
     assert isinstance(store, BlobStore)
     if isinstance(store, DiskBlobStore):
         assert isinstance(store.storage.ac, ActionStore)
+    assert isinstance(MemoryActionStore(), ActionStore)
 
 
 @pytest.mark.parametrize("size", [0, 1, 1000, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 3 * CHUNK_SIZE + 5])
-async def test_round_trip(store: BlobStore, size: int) -> None:
+async def test_round_trip(store: BlobStore, size: int, request: pytest.FixtureRequest) -> None:
     data = os.urandom(size)
     digest = Digest.of(data)
-    assert await store.find_missing([digest]) == [digest]
+    always_present = size == 0 and request.node.callspec.params["store"] in INJECT_EMPTY
+    assert await store.find_missing([digest]) == ([] if always_present else [digest])
     await store.write(digest, chunked(data))
     assert await store.find_missing([digest]) == []
     assert await read_all(store, digest) == data
@@ -144,10 +236,8 @@ async def test_rewriting_an_existing_blob_succeeds_and_keeps_it_intact(store: Bl
     digest = Digest.of(data)
     await store.write(digest, chunked(data))
     await store.write(digest, chunked(data))
-    try:  # a lying second writer may be refused or ignored, never allowed to corrupt
+    with contextlib.suppress(DigestMismatch):  # a lying second writer may be refused or ignored, never corrupt
         await store.write(digest, chunked(os.urandom(len(data))))
-    except DigestMismatch:
-        pass
     assert await read_all(store, digest) == data
 
 

@@ -28,7 +28,8 @@ from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
 from buildvault.server.pins import PinningActionStore, PinRegistry
 from buildvault.server.services import Listener, Services, StartupError
-from buildvault.storage import ActionStore, BlobStore, StorageError
+from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage.build import StackError, StoreStack, open_store_stack
 
 __all__ = ["VERSION", "App", "Listener", "Services", "StartupError"]
 
@@ -59,11 +60,10 @@ class App:
         self.services: Services | None = None
         self.listeners: list[Listener] = []
         self._closers: list[Any] = []
-        self._store_label = ""
+        self.stack: StoreStack | None = None
         self.started_at: float | None = None
         # Owned by this App (not the global registry): two servers in one process count apart.
         self.metrics = Metrics(version=VERSION)
-        self._storage_stats: Any = None
         self._pins: PinRegistry | None = None
         self.auth: Auth | None = None
 
@@ -87,11 +87,12 @@ class App:
 
     async def start(self) -> None:
         try:
-            try:  # auth (issue 11): a bad certificate, key or auth file stops the start, naming the setting
+            try:  # a bad certificate, key or auth file stops the start, naming the setting
                 self.auth = Auth.from_settings(self.settings, self.metrics)
             except AuthStartupError as e:
                 raise StartupError(str(e)) from None
-            blobs, actions = await self._open_stores()
+            self.stack = stack = await self._open_stores()
+            blobs, actions = stack.blobs, stack.actions
             self.services = Services(
                 blobs=blobs,
                 actions=actions,
@@ -99,8 +100,8 @@ class App:
                 uploads=Uploads(blobs, grace=self.upload_grace),
                 metrics=self.metrics,
                 version=VERSION,
-                max_cas_blob_size=self._max_blob_size(),
-                storage_stats=self._storage_stats or getattr(self._given[0], "stats", None),
+                max_cas_blob_size=stack.max_blob_size,
+                storage_stats=stack.local_stats,
                 pins=self._pins.listing if self._pins else None,
                 auth=self.auth,
             )
@@ -150,55 +151,28 @@ class App:
 
     # -- stores ---------------------------------------------------------------------------
 
-    def _max_blob_size(self) -> int:
-        return self.settings.max_size if self._store_label.startswith("disk") else 0
-
-    async def _open_stores(self) -> tuple[BlobStore, ActionStore]:
+    async def _open_stores(self) -> StoreStack:
         blobs, actions = self._given
-        if blobs is not None and actions is not None:
-            self._store_label = f"given ({type(blobs).__name__})"
-            return blobs, actions
-        from buildvault.storage.disk import DiskStorage
-
-        directory = self.settings.dir
         try:
-            storage = await DiskStorage.open(directory, self.settings.max_size, validate_entry=entry_is_intact)
-            self._storage_stats = storage.stats
-        except (OSError, StorageError) as e:
-            raise StartupError(f"cannot open the data directory {directory}: {e}") from None
-        self._closers.append(storage.close)
-        self._store_label = f"disk {directory} (max {_size(self.settings.max_size)})"
-        blobs, actions = storage.cas, storage.ac
-        if self.settings.s3_bucket:
-            from buildvault.storage.tiered import build_object_tier
-
-            tier = build_object_tier(self.settings, blobs, actions)
-            if tier is not None:
-                await tier.start()
-                self._closers.append(tier.aclose)
-                self.metrics.watch_object_tier(tier.stats)
-                blobs, actions = tier.cas, tier.ac
-                where = self.settings.s3_endpoint or "AWS"
-                self._store_label += f" + bucket {self.settings.s3_bucket} at {where}"
-        # Golden versions: the disk store's eviction skips what the pin indexes reach.
-        self._pins = PinRegistry(blobs, storage.protect)
-        actions = PinningActionStore(actions, self._pins)
-        await self._pins.load(actions)
-        return blobs, actions
+            stack = await open_store_stack(
+                self.settings, self.metrics, blobs=blobs, actions=actions, validate_entry=entry_is_intact
+            )
+        except StackError as e:
+            raise StartupError(str(e)) from None
+        self._closers.append(stack.aclose)
+        self.metrics.watch_object_tier(stack.object_tier_stats)
+        # Golden versions: the local tier's eviction skips what the pin indexes reach.
+        self._pins = PinRegistry(stack.blobs, stack.protect)
+        stack.actions = PinningActionStore(stack.actions, self._pins)
+        await self._pins.load(stack.actions)
+        return stack
 
     def _banner(self) -> None:
         addresses = " ".join(f"{name}={self.address(name) or 'off'}" for name in ("grpc", "http"))
         lines = [f"{logs.READY_PREFIX} {addresses}", f"  buildvault {VERSION}"]
         for listener in self.listeners:
             lines.append(f"  {listener.name:<6} {listener.address}")
-        lines.append(f"  store  {self._store_label}")
+        lines.append(f"  store  {self.stack.label if self.stack is not None else 'none'}")
         lines.append(f"  log    {self.settings.log_level}")
         logs.banner(lines)
 
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)

@@ -15,6 +15,12 @@ The S3/OBS tier (when a bucket is configured) is read at scrape time from the ti
 object store's fixed request kinds), upload journal backlog and oldest pending age, upload
 attempts ok/failed, bytes uploaded, presence-index size, tier health, and the tier's CAS/AC
 events (fast/slow hits, backfills, lost uploads, ...). Without a bucket none of them appear.
+
+Every store tier reports at its boundary (`Metrics` is storage.metrics' `StoreRecorder`): calls
+by tier and operation, blob bytes read and written, action-entry lookups by result, with the
+tier names of storage/build.py (`client`, `local`, `object_store`). The client tier's bytes are
+also the per-protocol `cas_read_bytes` / `cas_written_bytes` of the front end that set
+`REQUEST_PROTOCOL` (the gRPC interceptor does).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+from buildvault.storage.metrics import CLIENT_TIER, REQUEST_PROTOCOL
 
 __all__ = ["Metrics", "StorageSnapshot", "MetricsInterceptor", "CONTENT_TYPE_LATEST"]
 
@@ -157,7 +165,7 @@ def _labelled(counts: Any) -> list[tuple[str, float]]:
     """(label, value) pairs of a stats mapping, keys lowered; only bounded, name-like keys."""
     if not isinstance(counts, Mapping):
         return []
-    pairs = []
+    pairs: list[tuple[str, float]] = []
     for key, value in counts.items():
         label = str(key).lower()
         if _STATS_LABEL.fullmatch(label) and isinstance(value, (int, float)) and len(pairs) < _MAX_STATS_LABELS:
@@ -191,7 +199,7 @@ class _ObjectTierCollector:
             return []
         try:
             stats = source()
-        except Exception:  # noqa: BLE001 - /metrics must answer even if the tier cannot tell
+        except Exception:  # /metrics must answer even if the tier cannot tell
             log.warning("object tier stats failed", exc_info=True)
             return []
         return list(self._families(stats))
@@ -279,7 +287,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.ac_hits = Counter(f"{PREFIX}_ac_hits", "Action cache lookups that found an entry.", ["protocol"], registry=r)
+        self.ac_hits = Counter(
+            f"{PREFIX}_ac_hits", "Action cache lookups that found an entry.", ["protocol"], registry=r
+        )
         self.ac_misses = Counter(
             f"{PREFIX}_ac_misses", "Action cache lookups that found no (complete) entry.", ["protocol"], registry=r
         )
@@ -300,6 +310,21 @@ class Metrics:
             ["protocol", "reason"],
             registry=r,
         )
+        # Per-tier counts from the store boundary (storage.metrics.MeteredBlobStore/-ActionStore).
+        self.store_calls = Counter(
+            f"{PREFIX}_store_calls", "Calls into a store tier, by tier and operation (a batch is one call).",
+            ["tier", "operation"], registry=r,
+        )  # fmt: skip
+        self.store_read_bytes = Counter(
+            f"{PREFIX}_store_read_bytes", "Blob bytes read from a store tier.", ["tier"], registry=r
+        )
+        self.store_written_bytes = Counter(
+            f"{PREFIX}_store_written_bytes", "Blob bytes written to a store tier.", ["tier"], registry=r
+        )
+        self.store_action_lookups = Counter(
+            f"{PREFIX}_store_action_lookups", "Action entry lookups in a store tier, by result (hit, miss).",
+            ["tier", "result"], registry=r,
+        )  # fmt: skip
         start = Gauge(f"{PREFIX}_start_time_seconds", "Start time of the server, seconds since the epoch.", registry=r)
         start.set(self.started)
         info = Gauge(f"{PREFIX}_build_info", "Always 1; the version is a label.", ["version"], registry=r)
@@ -335,6 +360,25 @@ class Metrics:
 
     def auth_refused(self, protocol: str, reason: str) -> None:
         self.auth_refusals.labels(protocol, reason).inc()
+    # -- the store boundary (storage.metrics.StoreRecorder) -------------------------------------
+    # The client-facing tier's bytes also count per protocol, for the front end that named itself
+    # in storage.metrics.REQUEST_PROTOCOL (gRPC does; HTTP still counts its own bytes).
+
+    def store_call(self, tier: str, operation: str) -> None:
+        self.store_calls.labels(tier, operation).inc()
+
+    def store_read(self, tier: str, protocol: str | None, nbytes: int) -> None:
+        self.store_read_bytes.labels(tier).inc(nbytes)
+        if tier == CLIENT_TIER and protocol is not None:
+            self.cas_read(protocol, nbytes)
+
+    def store_written(self, tier: str, protocol: str | None, nbytes: int) -> None:
+        self.store_written_bytes.labels(tier).inc(nbytes)
+        if tier == CLIENT_TIER and protocol is not None:
+            self.cas_written(protocol, nbytes)
+
+    def store_action_lookup(self, tier: str, protocol: str | None, hit: bool) -> None:
+        self.store_action_lookups.labels(tier, "hit" if hit else "miss").inc()
 
     def set_storage(self, stats: Any) -> None:
         """Update the storage gauges from a store's stats() (see StorageSnapshot.from_stats)."""
@@ -382,31 +426,19 @@ def grpc_labels(full_method: str) -> tuple[str, str]:
 
 
 class _Call:
-    """Book-keeping of one RPC: measures it and records its status and byte counts once."""
+    """Book-keeping of one RPC: measures it and records its status once. Blob bytes are counted
+    by the store (storage.metrics) under the protocol this call sets in REQUEST_PROTOCOL."""
 
-    __slots__ = ("metrics", "method", "kind", "start", "read_bytes", "written_bytes")
+    __slots__ = ("metrics", "method", "kind", "start")
 
     def __init__(self, metrics: Metrics, method: str, kind: str) -> None:
         self.metrics = metrics
         self.method = method
         self.kind = kind
         self.start = time.perf_counter()
-        self.read_bytes = 0
-        self.written_bytes = 0
+        REQUEST_PROTOCOL.set("grpc")  # this RPC's own task context
 
-    def response(self, message: Any) -> None:
-        if self.method == "Read":
-            self.read_bytes += len(getattr(message, "data", b""))
-        elif self.method == "BatchReadBlobs":
-            for r in getattr(message, "responses", ()):
-                if r.status.code == 0:
-                    self.read_bytes += len(r.data)
-
-    def request(self, message: Any) -> None:
-        if self.method == "Write":
-            self.written_bytes += len(getattr(message, "data", b""))
-
-    def finish(self, code: grpc.StatusCode, request: Any = None, response: Any = None) -> None:
+    def finish(self, code: grpc.StatusCode) -> None:
         m = self.metrics
         m.observe_request("grpc", self.method, self.kind, code.name, time.perf_counter() - self.start)
         if self.kind == "ac" and self.method == "GetActionResult":
@@ -414,20 +446,12 @@ class _Call:
                 m.ac_lookup("grpc", True)
             elif code is grpc.StatusCode.NOT_FOUND:
                 m.ac_lookup("grpc", False)
-        if self.method == "BatchUpdateBlobs" and code is grpc.StatusCode.OK and request is not None:
-            statuses = [r.status.code for r in getattr(response, "responses", ())]
-            for i, r in enumerate(getattr(request, "requests", ())):
-                if i >= len(statuses) or statuses[i] == 0:
-                    self.written_bytes += len(r.data)
-        m.cas_read("grpc", self.read_bytes)
-        if code is grpc.StatusCode.OK:
-            m.cas_written("grpc", self.written_bytes)
 
 
 def _code_of(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
     try:
         code = context.code()
-    except Exception:  # noqa: BLE001 - older grpc.aio contexts
+    except Exception:  # older grpc.aio contexts
         code = None
     if code is None:
         return default
@@ -449,7 +473,8 @@ def _error_code(context: Any, error: BaseException) -> grpc.StatusCode:
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times every RPC; AC hits/misses and CAS bytes for the REAPI/ByteStream methods."""
+    """Counts and times every RPC and its status (GetActionResult's: AC hits and misses); names the
+    protocol for the store's byte counts (no message is parsed here)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -459,10 +484,10 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method, kind = grpc_labels(handler_call_details.method)
-        for name, wrap, streaming in _WRAPPERS:
+        for name, wrap in _WRAPPERS:
             behaviour = getattr(handler, name)
             if behaviour is not None:
-                return _replace(handler, **{name: wrap(behaviour, self._metrics, method, kind, streaming)})
+                return _replace(handler, **{name: wrap(behaviour, self._metrics, method, kind)})
         return handler
 
 
@@ -480,44 +505,37 @@ def _replace(handler: Any, **behaviour: Any) -> Any:
                    response_serializer=handler.response_serializer)  # fmt: skip
 
 
-def _requests(request: Any, call: _Call, streaming: bool) -> Any:
-    """What the handler gets: the request, or the request stream with its messages counted."""
-    return _counting(request, call) if streaming else request
-
-
 def _wrap_unary_response(
-    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str, streaming: bool
+    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str
 ) -> Callable[..., Any]:
-    """unary_unary (streaming=False) and stream_unary (streaming=True) handlers."""
+    """unary_unary and stream_unary handlers."""
 
     async def wrapper(request: Any, context: Any) -> Any:
         call = _Call(metrics, method, kind)
         try:
-            response = behaviour(_requests(request, call, streaming), context)
+            response = behaviour(request, context)
             if inspect.isawaitable(response):
                 response = await response
         except BaseException as e:
             call.finish(_error_code(context, e))
             raise
-        call.response(response)
-        call.finish(_code_of(context, grpc.StatusCode.OK), None if streaming else request, response)
+        call.finish(_code_of(context, grpc.StatusCode.OK))
         return response
 
     return wrapper
 
 
 def _wrap_stream_response(
-    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str, streaming: bool
+    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str
 ) -> Callable[..., Any]:
-    """unary_stream (streaming=False) and stream_stream (streaming=True) handlers: async generators,
-    or coroutines that write their responses to the context."""
+    """unary_stream and stream_stream handlers: async generators, or coroutines that write their
+    responses to the context."""
     if inspect.isasyncgenfunction(behaviour):
 
         async def generator(request: Any, context: Any) -> AsyncIterator[Any]:
             call = _Call(metrics, method, kind)
             try:
-                async for response in behaviour(_requests(request, call, streaming), context):
-                    call.response(response)
+                async for response in behaviour(request, context):
                     yield response
             except BaseException as e:
                 call.finish(_error_code(context, e))
@@ -529,7 +547,7 @@ def _wrap_stream_response(
     async def coroutine(request: Any, context: Any) -> Any:
         call = _Call(metrics, method, kind)
         try:
-            result = await behaviour(_requests(request, call, streaming), _CountingContext(context, call))
+            result = await behaviour(request, context)
         except BaseException as e:
             call.finish(_error_code(context, e))
             raise
@@ -539,34 +557,10 @@ def _wrap_stream_response(
     return coroutine
 
 
-class _CountingContext:
-    """A servicer context whose write() also counts the response (handlers that stream by writing)."""
-
-    def __init__(self, context: Any, call: _Call) -> None:
-        self._context = context
-        self._call = call
-
-    async def write(self, message: Any) -> None:
-        self._call.response(message)
-        await self._context.write(message)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-
-def _counting(iterator: Any, call: _Call) -> AsyncIterator[Any]:
-    async def requests() -> AsyncIterator[Any]:
-        async for message in iterator:
-            call.request(message)
-            yield message
-
-    return requests()
-
-
-# The handler attribute, the wrapper for it, and whether its requests come as a stream.
+# The handler attribute and the wrapper for it.
 _WRAPPERS = (
-    ("unary_unary", _wrap_unary_response, False),
-    ("unary_stream", _wrap_stream_response, False),
-    ("stream_unary", _wrap_unary_response, True),
-    ("stream_stream", _wrap_stream_response, True),
+    ("unary_unary", _wrap_unary_response),
+    ("unary_stream", _wrap_stream_response),
+    ("stream_unary", _wrap_unary_response),
+    ("stream_stream", _wrap_stream_response),
 )

@@ -24,7 +24,8 @@ with the `*_by_digests` / `*_one_by_one` helpers below; a decorator forwards the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
@@ -41,6 +42,7 @@ __all__ = [
     "StorageFull",
     "Unavailable",
     "ac_namespace",
+    "close_chunks",
     "find_missing_indices_by_digests",
     "read_blobs_one_by_one",
     "single_chunk",
@@ -139,7 +141,7 @@ async def find_missing_indices_by_digests(
     store: BlobStore, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
 ) -> list[int]:
     """`find_missing_indices` for a store whose natural question is `find_missing`."""
-    digests = [Digest(h, s, function) for h, s in zip(hashes, sizes)]
+    digests = [Digest(h, s, function) for h, s in zip(hashes, sizes, strict=True)]
     absent = set(await store.find_missing(digests))
     seen: set[Digest] = set()
     out: list[int] = []
@@ -158,7 +160,7 @@ async def read_blobs_one_by_one(store: BlobStore, digests: Sequence[Digest]) -> 
             chunks = await store.read(digest)
             parts = [chunk async for chunk in chunks]
             return parts[0] if len(parts) == 1 else b"".join(parts)
-        except Exception as e:  # noqa: BLE001 - that blob's outcome
+        except Exception as e:  # that blob's outcome
             return e
 
     return list(await asyncio.gather(*(one(d) for d in digests)))
@@ -171,7 +173,7 @@ async def write_blobs_one_by_one(store: BlobStore, items: Sequence[tuple[Digest,
         try:
             await store.write(digest, single_chunk(data))
             return None
-        except Exception as e:  # noqa: BLE001 - that blob's outcome
+        except Exception as e:  # that blob's outcome
             return e
 
     return list(await asyncio.gather(*(one(d, data) for d, data in items)))
@@ -180,3 +182,11 @@ async def write_blobs_one_by_one(store: BlobStore, items: Sequence[tuple[Digest,
 async def single_chunk(data: bytes) -> AsyncIterator[bytes]:
     """An async iterator yielding `data` once (a whole small blob as a write stream)."""
     yield data
+
+
+async def close_chunks(chunks: AsyncIterable[bytes]) -> None:
+    """Close a chunk stream now if it is an async generator (releasing what it holds, e.g. a
+    bucket connection); errors while closing are not the caller's concern."""
+    if isinstance(chunks, AsyncGenerator):
+        with contextlib.suppress(Exception):
+            await chunks.aclose()

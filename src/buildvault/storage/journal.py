@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import fcntl
 import functools
@@ -55,28 +56,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.digest import Digest, InvalidDigest
 from buildvault.storage import StorageError, Unavailable
+from buildvault.storage.journal_files import (
+    AC,
+    CAS,
+    JournalEntry,
+    batch_name,
+    entry_of,
+    fsync_dir,
+    parse_batch_name,
+    read_lines,
+    record_of,
+    write_batch_file,
+)
+
+__all__ = ["AC", "CAS", "JournalBusy", "JournalEntry", "JournalStats", "Ticket", "UploadJournal"]
 
 logger = logging.getLogger(__name__)
 
-CAS = "cas"
-AC = "ac"
 MAX_BATCH_ENTRIES = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class JournalEntry:
-    kind: str  # CAS or AC
-    digest: Digest
-    namespace: str | None  # action entries only
-    name: str  # "{seq}:{index}": unique in the journal
-    seq: int  # the batch: wall-clock nanoseconds of its commit
-
-    @property
-    def added(self) -> float:
-        """Wall-clock time (seconds) the entry was committed."""
-        return self.seq / 1e9
 
 
 @dataclass(slots=True)
@@ -111,46 +110,10 @@ class _PendingAdd:
     future: asyncio.Future[None]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _batch_name(seq: int, count: int) -> str:
-    return f"{seq:020d}-{count}.jnl"
-
-
-def _parse_batch_name(name: str) -> tuple[int, int] | None:
-    stem, dot, ext = name.partition(".")
-    seq, dash, count = stem.partition("-")
-    if ext != "jnl" or not dash or not seq.isdigit() or not count.isdigit() or int(count) == 0:
-        return None
-    return int(seq), int(count)
-
-
-def _record(kind: str, digest: Digest, namespace: str | None) -> list[Any]:
-    if kind == CAS:
-        return ["c", digest.function.label, digest.hash, digest.size_bytes]
-    return ["a", digest.function.label, digest.hash, digest.size_bytes, namespace]
-
-
-def _entry(record: list[Any], seq: int, index: int) -> JournalEntry:
-    tag, label, hash_, size = record[0], record[1], record[2], record[3]
-    digest = Digest.parse(hash_, size, DigestFunction.from_label(label))
-    if tag == "c" and len(record) == 4:
-        return JournalEntry(CAS, digest, None, f"{seq}:{index}", seq)
-    if tag == "a" and len(record) == 5 and isinstance(record[4], str):
-        return JournalEntry(AC, digest, record[4], f"{seq}:{index}", seq)
-    raise ValueError(f"unknown journal record {record!r}")
-
-
 class UploadJournal:
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike[str],
         *,
         concurrency: int = 16,
         window: int = 4096,
@@ -211,7 +174,7 @@ class UploadJournal:
         if not self._q.is_dir():
             self._q.mkdir(parents=True, exist_ok=True)
             for directory in (self.directory, self.directory.parent):  # make q/ itself durable
-                _fsync_dir(directory)
+                fsync_dir(directory)
         fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -226,7 +189,7 @@ class UploadJournal:
             if dirent.name.endswith(".tmp"):
                 os.unlink(dirent.path)  # a batch that was never acknowledged
                 continue
-            parsed = _parse_batch_name(dirent.name)
+            parsed = parse_batch_name(dirent.name)
             if parsed is None or not dirent.is_file():
                 self._quarantine(Path(dirent.path))
                 continue
@@ -274,41 +237,31 @@ class UploadJournal:
         replaced = []
         for seq, entries in partial.items():
             name = self._files[seq][0]
-            parsed = _parse_batch_name(name)
+            parsed = parse_batch_name(name)
             if parsed is None or len(entries) >= parsed[1]:
                 continue
-            records = [_record(e.kind, e.digest, e.namespace) for _, e in sorted(entries.items())]
-            new_name = _batch_name(seq, len(records))
+            records = [record_of(e.kind, e.digest, e.namespace) for _, e in sorted(entries.items())]
+            new_name = batch_name(seq, len(records))
             self._write_file(self._q / new_name, records)
             replaced.append(name)
         if replaced:
-            _fsync_dir(self._q)
+            fsync_dir(self._q)
             for name in replaced:
                 os.unlink(self._q / name)
 
     def _write_file(self, path: Path, records: list[list[Any]]) -> None:
-        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        data = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-            self.fsyncs += 1
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        write_batch_file(path, records)
+        self.fsyncs += 1
 
     # -- adding -----------------------------------------------------------------------------
 
     async def add_blob(self, digest: Digest, *, hold: bool = False) -> Ticket:
         """Durably record "upload this blob"; returns once the entry is on disk (fsync)."""
-        return await self._add(_record(CAS, digest, None), hold)
+        return await self._add(record_of(CAS, digest, None), hold)
 
     async def add_action(self, namespace: str, digest: Digest, *, hold: bool = False) -> Ticket:
         """Durably record "upload this action entry" (the uploader reads its current value)."""
-        return await self._add(_record(AC, digest, namespace), hold)
+        return await self._add(record_of(AC, digest, namespace), hold)
 
     async def _add(self, record: list[Any], hold: bool) -> Ticket:
         if not self._open:
@@ -350,7 +303,7 @@ class UploadJournal:
                     raise
                 continue
             for seq, batch in batches:
-                self._files[seq] = [_batch_name(seq, len(batch)), len(batch)]
+                self._files[seq] = [batch_name(seq, len(batch)), len(batch)]
                 self._unloaded.append(seq)
                 self._backlog += len(batch)
                 for add in batch:
@@ -363,17 +316,15 @@ class UploadJournal:
         written = []
         try:
             for seq, records in batches:
-                path = self._q / _batch_name(seq, len(records))
+                path = self._q / batch_name(seq, len(records))
                 self._write_file(path, records)
                 written.append(path)
-            _fsync_dir(self._q)
+            fsync_dir(self._q)
             self.fsyncs += 1
         except BaseException:
             for path in written:  # not acknowledged: do not leave it to be uploaded later
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(path)
-                except OSError:
-                    pass
             raise
 
     def release(self, ticket: Ticket) -> None:
@@ -513,10 +464,8 @@ class UploadJournal:
                 if not self._ready:
                     dues = [due for _, due, _ in self._retry.values()]
                     timeout = max(0.0, min(dues) - now) if dues else None
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._wake.wait(), timeout)
-                    except TimeoutError:
-                        pass
                     continue
                 entry = self._ready.popleft()
                 if entry.name in self._discarded:
@@ -536,14 +485,14 @@ class UploadJournal:
     async def _load(self, seq: int) -> None:
         name, _ = self._files[seq]
         try:
-            lines = await self._run(self._read_lines, self._q / name)
+            lines = await self._run(read_lines, self._q / name)
         except OSError as exc:
             self._unloaded.appendleft(seq)
             raise StorageError(f"upload journal: cannot read {name}: {exc}") from exc
         entries: dict[int, JournalEntry] = {}
         for index, line in enumerate(lines):
             try:
-                entries[index] = _entry(json.loads(line), seq, index)
+                entries[index] = entry_of(json.loads(line), seq, index)
             except (ValueError, TypeError, IndexError, InvalidDigest) as exc:
                 logger.error("upload journal: %s line %d is not an entry (%s); skipping it", name, index + 1, exc)
         skipped = self._files[seq][1] - len(entries)
@@ -556,11 +505,6 @@ class UploadJournal:
             if not entries:
                 await asyncio.shield(self._batch_done(seq))
             self._notify()
-
-    @staticmethod
-    def _read_lines(path: Path) -> list[str]:
-        with open(path, encoding="utf-8") as f:
-            return [line for line in f.read().split("\n") if line]
 
     async def _worker(self) -> None:
         assert self._queue is not None and self._handler is not None
@@ -597,7 +541,12 @@ class UploadJournal:
             delay = min(self._initial_backoff * 2**attempts, self._entry_max_backoff) * random.uniform(0.8, 1.2)
             self._retry[entry.name] = (attempts + 1, time.monotonic() + delay, entry)
             logger.warning(
-                "upload of %s %s failed (attempt %d, retry in %.1fs): %s", entry.kind, entry.digest, attempts + 1, delay, exc
+                "upload of %s %s failed (attempt %d, retry in %.1fs): %s",
+                entry.kind,
+                entry.digest,
+                attempts + 1,
+                delay,
+                exc,
             )
             self._wake.set()
             return
@@ -622,10 +571,8 @@ class UploadJournal:
 
     async def _batch_done(self, seq: int) -> None:
         name, _ = self._files[seq]
-        try:
+        with contextlib.suppress(FileNotFoundError):
             await self._run(os.unlink, self._q / name)
-        except FileNotFoundError:
-            pass
         self._files.pop(seq, None)
         self._loaded.pop(seq, None)
 

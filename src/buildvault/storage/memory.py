@@ -5,8 +5,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from buildvault.digest import Digest, DigestFunction, new_hasher
-from buildvault.storage import find_missing_indices_by_digests, read_blobs_one_by_one, write_blobs_one_by_one
-from buildvault.storage import CHUNK_SIZE, CapacityExceeded, DigestMismatch, InvalidRange, NotFound
+from buildvault.storage import (
+    CHUNK_SIZE,
+    CapacityExceeded,
+    DigestMismatch,
+    InvalidRange,
+    NotFound,
+    find_missing_indices_by_digests,
+    read_blobs_one_by_one,
+    write_blobs_one_by_one,
+)
 
 
 async def collect_verified(digest: Digest, chunks: AsyncIterable[bytes], limit: int | None = None) -> bytes:

@@ -14,7 +14,7 @@ and every whole-blob read re-hashes the bytes. Action entries carry ``x-amz-meta
 (SHA-256 of the body), checked on every get when present. Several buildvault servers (and
 several digest functions) share one bucket safely; writes are idempotent overwrites.
 
-Every boto3 call runs in this store's thread pool, never on the event loop. The pool's threads
+Every boto3 call runs in this store's thread pool (objectstore_client.py), never on the event loop. The pool's threads
 are daemon threads: a call stuck on a hung bucket (botocore waits `read_timeout` per attempt)
 never holds up process exit after `close()`; its journal entry is simply still pending. Requests are
 counted by operation in `request_counts` (API calls, not HTTP retries). Objects that fail
@@ -27,23 +27,18 @@ which overwrites (repairs) the object.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import logging
 import os
-import queue
 import tempfile
-import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import boto3
-import botocore.config
-import botocore.exceptions
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
-from buildvault.storage import find_missing_indices_by_digests, read_blobs_one_by_one, write_blobs_one_by_one
 from buildvault.storage import (
     CHUNK_SIZE,
     DigestMismatch,
@@ -51,7 +46,12 @@ from buildvault.storage import (
     NotFound,
     StorageError,
     Unavailable,
+    find_missing_indices_by_digests,
+    read_blobs_one_by_one,
+    write_blobs_one_by_one,
 )
+from buildvault.storage.objectstore_client import DaemonThreadPool, make_s3_client
+from buildvault.storage.objectstore_errors import map_error
 
 if TYPE_CHECKING:
     from buildvault.config import Settings
@@ -80,21 +80,6 @@ REQUEST_KINDS = (
     "MULTIPART_ABORT",
 )
 
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-_UNAVAILABLE_CODES = frozenset(
-    {
-        "NoSuchBucket",
-        "SlowDown",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "ServiceUnavailable",
-        "InternalError",
-        "503",
-        "500",
-    }
-)
-
-
 class CorruptObject(NotFound):
     """The bucket holds an object under the blob's key whose bytes do not match the digest.
 
@@ -105,130 +90,6 @@ class CorruptObject(NotFound):
 def normalize_prefix(prefix: str) -> str:
     prefix = prefix.strip("/")
     return f"{prefix}/" if prefix else ""
-
-
-def make_s3_client(
-    settings: Settings,
-    *,
-    max_pool_connections: int = 32,
-    connect_timeout: float = 5.0,
-    read_timeout: float = 30.0,
-    max_attempts: int = 3,
-    session: boto3.session.Session | None = None,
-) -> Any:
-    """A botocore S3 client from Settings. Credentials come from the standard AWS chain
-    (environment, shared config/credentials files, AWS_PROFILE, instance/container roles).
-
-    Checksums default to "when_required" both ways: boto3 >= 1.36 otherwise sends CRC32 trailer
-    headers (aws-chunked, STREAMING-UNSIGNED-PAYLOAD-TRAILER) that Huawei OBS and other
-    S3-compatibles reject with XAmzContentSHA256Mismatch. We verify content ourselves."""
-    session = session or boto3.session.Session()
-    config = botocore.config.Config(
-        region_name=settings.s3_region or None,
-        signature_version="s3v4",
-        s3={"addressing_style": settings.s3_addressing},
-        connect_timeout=connect_timeout,
-        read_timeout=read_timeout,
-        retries={"mode": "standard", "total_max_attempts": max(1, max_attempts)},
-        max_pool_connections=max_pool_connections,
-        tcp_keepalive=True,
-        request_checksum_calculation=settings.s3_checksums,
-        response_checksum_validation=settings.s3_checksums,
-    )
-    return session.client("s3", endpoint_url=settings.s3_endpoint or None, config=config)
-
-
-def _error_code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
-    error = exc.response.get("Error", {}) or {}
-    status = (exc.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode", 0) or 0
-    return str(error.get("Code", "")), int(status)
-
-
-def map_error(exc: BaseException, what: str) -> StorageError:
-    """Map a boto/botocore exception to a storage error (NotFound, InvalidRange, Unavailable)."""
-    if isinstance(exc, StorageError):
-        return exc
-    if isinstance(exc, botocore.exceptions.ClientError):
-        code, status = _error_code(exc)
-        if code in _NOT_FOUND_CODES or (status == 404 and code != "NoSuchBucket"):
-            return NotFound(f"{what}: not in the bucket")
-        if code == "InvalidRange" or status == 416:
-            return InvalidRange(f"{what}: range not satisfiable")
-        if code in _UNAVAILABLE_CODES or status >= 500 or status == 429:
-            return Unavailable(f"{what}: object store error {code or status}: {exc}")
-        return StorageError(f"{what}: object store error {code or status}: {exc}")
-    if isinstance(exc, (botocore.exceptions.BotoCoreError, OSError, TimeoutError, ConnectionError)):
-        return Unavailable(f"{what}: object store unreachable: {exc}")
-    return StorageError(f"{what}: {type(exc).__name__}: {exc}")
-
-
-class DaemonThreadPool(concurrent.futures.Executor):
-    """A thread pool of daemon threads (for `loop.run_in_executor`).
-
-    ThreadPoolExecutor's threads are joined at interpreter exit, whatever `shutdown(wait=False)`
-    said: a boto3 call blocked on a bucket that accepts connections and never answers kept a
-    stopped server alive for read_timeout x attempts (~90 s), past any supervisor's grace period.
-    Threads start on demand (up to `max_workers`) and idle ones are reused."""
-
-    def __init__(self, max_workers: int, thread_name_prefix: str = "pool") -> None:
-        self._max_workers = max(1, max_workers)
-        self._prefix = thread_name_prefix
-        self._work: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._shutdown = False
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        with self._lock:
-            if self._shutdown:
-                raise RuntimeError("cannot schedule new futures after shutdown")
-            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-            self._work.put((future, fn, args, kwargs))
-            if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
-                thread = threading.Thread(
-                    target=self._worker, name=f"{self._prefix}_{len(self._threads)}", daemon=True
-                )
-                thread.start()
-                self._threads.append(thread)
-            return future
-
-    def _worker(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:  # shut down: pass it on to the next worker
-                self._work.put(None)
-                return
-            future, fn, args, kwargs = item
-            del item
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as exc:
-                    future.set_exception(exc)
-                    del exc
-                else:
-                    future.set_result(result)
-                    del result
-            del future, fn, args, kwargs
-            self._idle.release()
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._lock:
-            if not self._shutdown:
-                self._shutdown = True
-                if cancel_futures:
-                    while True:
-                        try:
-                            item = self._work.get_nowait()
-                        except queue.Empty:
-                            break
-                        if item is not None:
-                            item[0].cancel()
-                self._work.put(None)
-        if wait:
-            for thread in self._threads:
-                thread.join()
 
 
 class ObjectStore:
@@ -245,7 +106,7 @@ class ObjectStore:
         multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
         read_only: bool = False,
         head_concurrency: int = 32,
-        spool_dir: str | os.PathLike | None = None,
+        spool_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not bucket:
             raise ValueError("ObjectStore needs a bucket name")
@@ -292,10 +153,8 @@ class ObjectStore:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        try:
+        with contextlib.suppress(Exception):  # best effort
             self._client.close()
-        except Exception:  # pragma: no cover - best effort
-            pass
 
     # -- keys ---------------------------------------------------------------------------
 
@@ -311,10 +170,11 @@ class ObjectStore:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    async def _call(self, kind: str, what: str, method: str, **params: Any) -> Any:
+    async def _call(self, kind: str, what: str, method: Callable[..., Any], **params: Any) -> Any:
+        """One API call (`method` of the boto3 client) on this bucket, counted by `kind`, errors mapped."""
         self.request_counts[kind] = self.request_counts.get(kind, 0) + 1
         try:
-            return await self._run(getattr(self._client, method), Bucket=self.bucket, **params)
+            return await self._run(method, Bucket=self.bucket, **params)
         except Exception as exc:
             raise map_error(exc, what) from exc
 
@@ -331,14 +191,14 @@ class ObjectStore:
 
     async def probe(self) -> None:
         """One cheap request proving the bucket is reachable (HEAD bucket); raises Unavailable."""
-        await self._call("HEAD_BUCKET", f"bucket {self.bucket}", "head_bucket")
+        await self._call("HEAD_BUCKET", f"bucket {self.bucket}", self._client.head_bucket)
 
     # -- BlobStore ----------------------------------------------------------------------
 
     async def exists(self, digest: Digest) -> bool:
         """HEAD the blob: True iff an object of the right size is stored under its key."""
         try:
-            head = await self._call("HEAD", f"blob {digest}", "head_object", Key=self.cas_key(digest))
+            head = await self._call("HEAD", f"blob {digest}", self._client.head_object, Key=self.cas_key(digest))
         except NotFound:
             return False
         size = head.get("ContentLength")
@@ -364,7 +224,8 @@ class ObjectStore:
             probe = Digest.parse(hash, 0, function)
         except InvalidDigest:
             raise NotFound(f"blob {function.label}:{str(hash)[:64]} not found") from None
-        head = await self._call("HEAD", f"blob {function.label}:{hash}", "head_object", Key=self.cas_key(probe))
+        what = f"blob {function.label}:{hash}"
+        head = await self._call("HEAD", what, self._client.head_object, Key=self.cas_key(probe))
         size = head.get("ContentLength")
         if not isinstance(size, int) or size < 0:
             raise NotFound(f"blob {function.label}:{hash}: the object store did not say its size")
@@ -379,7 +240,7 @@ class ObjectStore:
                 return await self.exists(digest)
 
         present = await asyncio.gather(*(check(d) for d in unique))
-        return [d for d, here in zip(unique, present) if not here]
+        return [d for d, here in zip(unique, present, strict=True) if not here]
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
         size = digest.size_bytes
@@ -389,7 +250,7 @@ class ObjectStore:
         key = self.cas_key(digest)
         what = f"blob {digest}"
         if offset == 0 and end == size:
-            response = await self._call("GET", what, "get_object", Key=key)
+            response = await self._call("GET", what, self._client.get_object, Key=key)
             body = response["Body"]
             length = response.get("ContentLength")
             if length is not None and length != size:
@@ -401,7 +262,7 @@ class ObjectStore:
             if not await self.exists(digest):
                 raise NotFound(f"{what}: not in the bucket")
             return _empty()
-        response = await self._call("GET", what, "get_object", Key=key, Range=f"bytes={offset}-{end - 1}")
+        response = await self._call("GET", what, self._client.get_object, Key=key, Range=f"bytes={offset}-{end - 1}")
         body = response["Body"]
         total = _content_range_total(response.get("ContentRange"))
         length = response.get("ContentLength")
@@ -411,7 +272,7 @@ class ObjectStore:
         return self._ranged_chunks(digest, body, end - offset)
 
     def _read_chunk(self, body: Any, hasher: Any) -> bytes:
-        chunk = body.read(CHUNK_SIZE)
+        chunk: bytes = body.read(CHUNK_SIZE)
         if hasher is not None and chunk:
             hasher.update(chunk)
         return chunk
@@ -468,10 +329,8 @@ class ObjectStore:
             await asyncio.shield(self._close_body(body))
 
     async def _close_body(self, body: Any) -> None:
-        try:
+        with contextlib.suppress(Exception):  # best effort
             await self._run(body.close)
-        except Exception:  # pragma: no cover - best effort
-            pass
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
         """Verify while uploading; the object becomes visible only if the bytes match."""
@@ -510,7 +369,7 @@ class ObjectStore:
             await self._call(
                 "PUT",
                 what,
-                "put_object",
+                self._client.put_object,
                 Key=self.cas_key(digest),
                 Body=body,
                 ContentLength=digest.size_bytes,
@@ -525,7 +384,11 @@ class ObjectStore:
         key = self.cas_key(digest)
         part_size = max(self.part_size, -(-digest.size_bytes // S3_MAX_PARTS))
         created = await self._call(
-            "MULTIPART_CREATE", what, "create_multipart_upload", Key=key, ContentType="application/octet-stream"
+            "MULTIPART_CREATE",
+            what,
+            self._client.create_multipart_upload,
+            Key=key,
+            ContentType="application/octet-stream",
         )
         upload_id = created["UploadId"]
         hasher = new_hasher(digest.function)
@@ -536,8 +399,9 @@ class ObjectStore:
         async def flush(data: bytes) -> None:
             number = len(parts) + 1
             result = await self._call(
-                "MULTIPART_PART", what, "upload_part", Key=key, UploadId=upload_id, PartNumber=number, Body=data
-            )
+                "MULTIPART_PART", what, self._client.upload_part, Key=key, UploadId=upload_id, PartNumber=number,
+                Body=data,
+            )  # fmt: skip
             parts.append({"ETag": result["ETag"], "PartNumber": number})
 
         completed = False
@@ -559,7 +423,7 @@ class ObjectStore:
             await self._call(
                 "MULTIPART_COMPLETE",
                 what,
-                "complete_multipart_upload",
+                self._client.complete_multipart_upload,
                 Key=key,
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
@@ -573,7 +437,7 @@ class ObjectStore:
 
     async def _abort_multipart(self, key: str, upload_id: str, what: str) -> None:
         try:
-            await self._call("MULTIPART_ABORT", what, "abort_multipart_upload", Key=key, UploadId=upload_id)
+            await self._call("MULTIPART_ABORT", what, self._client.abort_multipart_upload, Key=key, UploadId=upload_id)
         except StorageError as exc:
             logger.warning("%s: could not abort multipart upload %s: %s", what, upload_id, exc)
 
@@ -581,14 +445,14 @@ class ObjectStore:
 
     async def get(self, namespace: str, digest: Digest) -> bytes:
         what = f"entry {digest} in {namespace!r}"
-        response = await self._call("GET", what, "get_object", Key=self.ac_key(namespace, digest))
+        response = await self._call("GET", what, self._client.get_object, Key=self.ac_key(namespace, digest))
         body = response["Body"]
         try:
             length = response.get("ContentLength") or 0
             if length > MAX_ACTION_ENTRY_SIZE:
                 raise self._corrupt(f"{what}: {length} bytes, more than any action entry")
             try:
-                data = await self._run(body.read)
+                data: bytes = await self._run(body.read)
             except Exception as exc:
                 raise map_error(exc, what) from exc
         finally:
@@ -606,7 +470,7 @@ class ObjectStore:
         await self._call(
             "PUT",
             what,
-            "put_object",
+            self._client.put_object,
             Key=self.ac_key(namespace, digest),
             Body=data,
             ContentLength=len(data),

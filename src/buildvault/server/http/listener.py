@@ -94,7 +94,7 @@ def create_app(
     pages = StatusPages(
         metrics,
         version or metrics.version or _installed_version(),
-        stats if stats is not None else getattr(cas, "stats", None),
+        stats,
     )
     middlewares = [_request_middleware(metrics)]
     if auth is not None and auth.enabled:  # inside the request log/metrics middleware: refusals are counted
