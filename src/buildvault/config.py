@@ -90,6 +90,30 @@ class Settings:
         "boto3 request/response checksum mode: 'when_required' (OBS/MinIO-safe) or 'when_supported'",
         "MODE",
     )
+    # -- remote execution (buildvault.execution) --
+    local_workers: str = _setting(
+        "",
+        str,
+        "local worker pools: ';'-separated 'N' or 'N:key=value,...' (empty: one worker per core; 0: no execution)",
+        "POOLS",
+    )
+    execution: str = _setting(
+        "loopback",
+        str,
+        "'loopback': Execute only on loopback listeners (unless access control grants 'execute'); 'open': anywhere",
+        "MODE",
+    )
+    sandbox: str = _setting("auto", str, "'auto' (bubblewrap when it works), 'bwrap' or 'none'", "MODE")
+    action_timeout: float = _setting(600.0, float, "seconds an action may run when it sets no timeout", "SECONDS")
+    max_action_timeout: float = _setting(7200.0, float, "the longest Action.timeout accepted", "SECONDS")
+    execution_grace: float = _setting(
+        60.0, float, "seconds a running action is kept after its last waiting client went away", "SECONDS"
+    )
+    platform_exact_keys: str = _setting(
+        "OSFamily,ISA,soc,cann,container-image", str, "platform keys a worker must match exactly", "KEYS"
+    )
+    platform_minimum_keys: str = _setting("cores", str, "numeric platform keys a worker must meet or exceed", "KEYS")
+    platform_ignore_keys: str = _setting("", str, "platform keys accepted and ignored", "KEYS")
 
     def __post_init__(self) -> None:
         if self.dir is None:
@@ -100,6 +124,12 @@ class Settings:
             raise ConfigError(f"s3_addressing: {self.s3_addressing!r} is not 'path' or 'virtual'")
         if self.s3_checksums not in ("when_required", "when_supported"):
             raise ConfigError(f"s3_checksums: {self.s3_checksums!r} is not 'when_required' or 'when_supported'")
+        if self.execution not in ("loopback", "open"):
+            raise ConfigError(f"execution: {self.execution!r} is not 'loopback' or 'open'")
+        if self.sandbox not in ("auto", "bwrap", "none"):
+            raise ConfigError(f"sandbox: {self.sandbox!r} is not 'auto', 'bwrap' or 'none'")
+        if not 0 < self.action_timeout <= self.max_action_timeout:
+            raise ConfigError("action_timeout: must be > 0 and at most max_action_timeout")
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field]:

@@ -22,12 +22,15 @@ import grpc
 from buildvault import logs
 from buildvault.actions import ActionCache
 from buildvault.config import Settings
+from buildvault.execution.executor import PRIORITY_RANGE  # remote execution (issue 12)
+from buildvault.execution.runtime import ExecutionRuntime, ExecutionSetupError  # remote execution (issue 12)
 from buildvault.remote_apis import bs_grpc, re_grpc
 from buildvault.server.grpc import MAX_MESSAGE_SIZE, server_options
 from buildvault.server.grpc.action_cache import ActionCacheService
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, ByteStreamService, Uploads
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
+from buildvault.server.grpc.execution import add_execution_services  # remote execution (issue 12)
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
 from buildvault.storage import ActionStore, BlobStore, StorageError
@@ -38,7 +41,7 @@ try:
     from importlib.metadata import version as _dist_version
 
     VERSION = _dist_version("buildvault")
-except Exception:  # noqa: BLE001 - running from a bare checkout
+except Exception:
     VERSION = "dev"
 
 
@@ -97,7 +100,13 @@ class GrpcListener:
         metrics = s.extra.get("metrics")
         interceptors = [metrics.grpc_interceptor()] if metrics is not None else []
         server = grpc.aio.server(options=server_options(), interceptors=interceptors)
-        re_grpc.add_CapabilitiesServicer_to_server(CapabilitiesService(s.max_cas_blob_size), server)
+        # --- remote execution (issue 12): Capabilities advertise it, Execution + Operations serve it.
+        execution = s.extra.get("execution")
+        priorities = PRIORITY_RANGE if execution is not None and execution.allowed_on(self.requested) else None
+        if execution is not None:
+            add_execution_services(server, execution, self.requested)
+        # --- end remote execution
+        re_grpc.add_CapabilitiesServicer_to_server(CapabilitiesService(s.max_cas_blob_size, priorities), server)
         re_grpc.add_ContentAddressableStorageServicer_to_server(CasService(s.blobs), server)
         re_grpc.add_ActionCacheServicer_to_server(ActionCacheService(s.action_cache), server)
         bs_grpc.add_ByteStreamServicer_to_server(ByteStreamService(s.blobs, s.uploads), server)
@@ -140,6 +149,7 @@ class App:
         # Owned by this App (not the global registry): two servers in one process count apart.
         self.metrics = Metrics(version=VERSION)
         self._storage_stats: Any = None
+        self.execution: ExecutionRuntime | None = None  # remote execution (issue 12)
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -170,9 +180,21 @@ class App:
                 max_cas_blob_size=self._max_blob_size(),
                 extra={"metrics": self.metrics},
             )
+            # --- remote execution (issue 12): scheduler + local workers, before the listeners
+            try:
+                self.execution = await ExecutionRuntime.create(
+                    self.settings, blobs, self.services.action_cache
+                )
+            except ExecutionSetupError as e:
+                raise StartupError(str(e)) from None
+            if self.execution is not None:
+                self.services.extra["execution"] = self.execution
+            # --- end remote execution
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
                 await listener.start()
+            if self.execution is not None and self.grpc_address:  # remote execution (issue 12)
+                self.execution.bind(self.grpc_address)
         except BaseException:
             await self.stop(grace=0)
             raise
@@ -192,6 +214,9 @@ class App:
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop accepting, give in-flight requests `grace` seconds, abort unfinished uploads, close stores."""
+        if self.execution is not None:  # remote execution (issue 12): end jobs and streams first
+            execution, self.execution = self.execution, None
+            await execution.close()
         await asyncio.gather(*(listener.stop(grace) for listener in self.listeners), return_exceptions=True)
         if self.services is not None:
             await self.services.uploads.close()
@@ -199,7 +224,7 @@ class App:
         for close in reversed(closers):
             try:
                 await close()
-            except Exception:  # noqa: BLE001 - keep closing the rest
+            except Exception:
                 log.exception("error while closing a store")
 
     async def hurry(self) -> None:
@@ -253,6 +278,8 @@ class App:
         for listener in self.listeners:
             lines.append(f"  {listener.name:<6} {listener.address}")
         lines.append(f"  store  {self._store_label}")
+        if self.execution is not None:  # remote execution (issue 12)
+            lines.append(f"  exec   {self.execution.banner()}")
         lines.append(f"  log    {self.settings.log_level}")
         logs.banner(lines)
 
