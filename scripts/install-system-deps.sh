@@ -18,6 +18,8 @@ PACKAGES=(
   make
   libc6-dev
   ninja-build       # the CMake generator the launcher tests and bench use
+  bubblewrap        # bwrap: the remote-execution workers' sandbox (--sandbox auto|bwrap)
+  redis-server      # the execution tests' own Redis (scale-out queue), started on a free port
 )
 
 missing=()
