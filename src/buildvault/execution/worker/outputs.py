@@ -88,15 +88,12 @@ def _add(path: str, workdir: Path, into: Collected, want: str) -> None:
 
 def output_dirs_to_create(command: re_pb2.Command) -> list[str]:
     """Directories to create before the run, relative to the working directory: the parents of
-    every output, and the declared output directories themselves (as Bazel does locally)."""
+    every output (the spec: not the output directories themselves)."""
     wanted: dict[str, None] = {}
     for path in [*command.output_paths, *command.output_files, *command.output_directories]:
         parent = os.path.dirname(path)
         if parent:
             wanted.setdefault(parent)
-    if not command.output_paths:
-        for path in command.output_directories:
-            wanted.setdefault(path)
     return list(wanted)
 
 

@@ -88,7 +88,7 @@ class Runner:
         for directory in outputs.output_dirs_to_create(command):
             (workdir / directory).mkdir(parents=True, exist_ok=True)
         env = {var.name: var.value for var in command.environment_variables}
-        argv = sandbox.wrap(self.sandbox_kind, list(command.arguments), action_dir, workdir)
+        argv = sandbox.wrap(self.sandbox_kind, list(command.arguments), action_dir, workdir, env)
         stdout, stderr = action_dir / "stdout", action_dir / "stderr"
         meta.execution_start_timestamp.CopyFrom(_now())
         started = time.monotonic()

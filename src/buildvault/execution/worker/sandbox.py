@@ -54,10 +54,12 @@ def choose(mode: str) -> str:
     return "none"
 
 
-def wrap(kind: str, argv: list[str], action_dir: Path, cwd: Path) -> list[str]:
-    """The argv that runs `argv` in `cwd` under sandbox `kind`."""
+def wrap(kind: str, argv: list[str], action_dir: Path, cwd: Path, env: dict[str, str]) -> list[str]:
+    """The argv that runs `argv` in `cwd` under sandbox `kind`, with exactly `env`."""
     if kind == "none":
         return argv
+    # bwrap --chdir sets PWD; the action must see exactly its Command's environment.
+    pwd = ["--", "PWD=" + env["PWD"]] if "PWD" in env else ["-u", "PWD", "--"]
     bwrap = shutil.which("bwrap") or "bwrap"
     return [
         bwrap,
@@ -72,5 +74,6 @@ def wrap(kind: str, argv: list[str], action_dir: Path, cwd: Path) -> list[str]:
         "--die-with-parent",
         "--chdir", str(cwd),
         "--",
+        "/usr/bin/env", *pwd,
         *argv,
     ]
