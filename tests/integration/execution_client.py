@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from google.longrunning import operations_pb2, operations_pb2_grpc
@@ -165,3 +167,18 @@ def final_response(messages: list[operations_pb2.Operation]) -> re_pb2.ExecuteRe
 
 def response_of(operation: operations_pb2.Operation) -> re_pb2.ExecuteResponse:
     return final_response([operation])
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids whose command line contains `marker` (an action's own, unique argument)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(entry))
+    return found

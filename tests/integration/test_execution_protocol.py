@@ -7,21 +7,21 @@ import asyncio
 import hashlib
 import os
 import uuid
-from pathlib import Path
 
 import grpc
 import pytest
-from google.longrunning import operations_pb2
-from google.rpc import code_pb2
 from execution_client import (
     ActionSpec,
     execute,
     execution_stub,
     final_response,
     operations_stub,
+    processes_with,
     response_of,
     stage,
 )
+from google.longrunning import operations_pb2
+from google.rpc import code_pb2
 from polling import wait_for, wait_until
 from reapi_client import CLIENT_OPTIONS, make_stubs, precondition_violations, read
 from server_process import ServerProcess
@@ -42,7 +42,9 @@ def exec_server(tmp_path_factory) -> ServerProcess:
     server = ServerProcess(
         tmp_path_factory.mktemp("exec") / "data",
         name="exec",
-        extra_args=["--local-workers", POOLS, "--execution-grace", "1", "--max-action-timeout", "120", "--action-timeout", "60"],
+        extra_args=[
+            "--local-workers", POOLS, "--execution-grace", "1", "--max-action-timeout", "120", "--action-timeout", "60"
+        ],
     )
     server.start()
     yield server
@@ -57,21 +59,6 @@ async def channel(exec_server):
     async with grpc.aio.insecure_channel(exec_server.grpc_address, options=CLIENT_OPTIONS) as channel:
         await channel.channel_ready()
         yield channel
-
-
-def processes_with(marker: str) -> list[int]:
-    """Pids whose command line contains `marker` (an action's own, unique argument)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in cmdline:
-            found.append(int(entry))
-    return found
 
 
 def unique() -> str:
@@ -241,7 +228,8 @@ async def test_do_not_cache_actions_run_separately(channel):
     first, _, _ = await _executing(channel, action_digest)
     second = final_response(await execute(channel, action_digest))
     one = final_response([m async for m in first])
-    assert one.result.execution_metadata.worker_start_timestamp != second.result.execution_metadata.worker_start_timestamp
+    starts = {r.result.execution_metadata.worker_start_timestamp.ToNanoseconds() for r in (one, second)}
+    assert len(starts) == 2
     with pytest.raises(grpc.aio.AioRpcError):
         await stubs.ac.GetActionResult(re_pb2.GetActionResultRequest(action_digest=action_digest))
 
