@@ -7,7 +7,7 @@
 Key classes: *exact* keys must be equal, *minimum* keys are numbers the worker must meet or
 exceed, *ignore* keys are accepted and dropped; any other key is rejected, so a typo can never
 send an action to a worker that lacks its toolchain. `Action.platform` wins over the deprecated
-`Command.platform`, key by key.
+`Command.platform`, key by key; a key whose value is empty requires nothing.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class MatchRules:
             merged.update(own)
         out: Properties = {}
         for key, value in merged.items():
-            if key in self.ignore:
+            # An empty value is no requirement: Bazel's way for one target to drop a platform's key.
+            if key in self.ignore or value == "":
                 continue
             if key in self.minimum:
                 _number(key, value)
