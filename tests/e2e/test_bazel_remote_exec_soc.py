@@ -52,6 +52,12 @@ def soc_workspace(tmp_path, require_bazel):
     ws.shutdown()
 
 
+def read_blob(cas: re_grpc.ContentAddressableStorageStub, digest: re_pb2.Digest) -> bytes:
+    (blob,) = cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[digest])).responses
+    assert blob.status.code == 0, blob.status
+    return blob.data
+
+
 def executed_actions(address: str) -> list[tuple[list[str], str]]:
     """(output paths, worker) of every action the server executed (its finished operations)."""
     out = []
@@ -66,10 +72,8 @@ def executed_actions(address: str) -> list[tuple[list[str], str]]:
                 continue
             metadata = re_pb2.ExecuteOperationMetadata()
             operation.metadata.Unpack(metadata)
-            (action_blob,) = cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[metadata.action_digest])).responses
-            action = re_pb2.Action.FromString(action_blob.data)
-            (command_blob,) = cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[action.command_digest])).responses
-            command = re_pb2.Command.FromString(command_blob.data)
+            action = re_pb2.Action.FromString(read_blob(cas, metadata.action_digest))
+            command = re_pb2.Command.FromString(read_blob(cas, action.command_digest))
             out.append(([*command.output_files, *command.output_paths], response.result.execution_metadata.worker))
     return out
 
