@@ -29,6 +29,7 @@ from buildvault.execution.operations import Job, Operation, OperationTable, canc
 from buildvault.execution.platform import MatchRules, PlatformError, format_properties
 from buildvault.execution.requests import InvalidRequest, load_action
 from buildvault.execution.scheduler import Scheduler, Worker
+from buildvault.execution.stats import ExecutionStats
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import BlobStore, NotFound, single_chunk
 
@@ -60,7 +61,8 @@ class Executor:
         self.scheduler = Scheduler(workers, config.rules, self._finished)
         self._in_flight: dict[tuple[str, str], Job] = {}
         self._orphan_checks: dict[str, asyncio.TimerHandle] = {}
-        self.counts = {"cache_hit": 0, "dedup_merged": 0, "executed": 0}
+        self.stats = ExecutionStats()
+        self.scheduler.on_started = self.stats.started
 
     # -- Execute --------------------------------------------------------------------------
 
@@ -96,14 +98,14 @@ class Executor:
             except NotFound:
                 pass
             else:
-                self.counts["cache_hit"] += 1
+                self.stats.cache_hit()
                 response = re_pb2.ExecuteResponse(result=cached, cached_result=True, status=status_pb2.Status())
                 return self.operations.create(None, action_digest, response)
         key = (instance, action_digest.key) if cacheable else None
         if key is not None:
             shared = self._in_flight.get(key)
             if shared is not None and not shared.done:
-                self.counts["dedup_merged"] += 1
+                self.stats.dedup_merges += 1
                 return self.operations.create(shared, action_digest)
         job = Job(
             id=uuid.uuid4().hex,
@@ -116,6 +118,7 @@ class Executor:
             priority=priority,
             cacheable=cacheable,
             dedup_key=key,
+            on_done=self.stats.finished,
         )
         if key is not None:
             self._in_flight[key] = job
@@ -137,7 +140,6 @@ class Executor:
 
     async def _finished(self, job: Job, response: re_pb2.ExecuteResponse) -> re_pb2.ExecuteResponse:
         """Before the job reports done: the ActionCache entry, and the in-flight entry dropped."""
-        self.counts["executed"] += 1
         if job.dedup_key is not None and self._in_flight.get(job.dedup_key) is job:
             del self._in_flight[job.dedup_key]
         if response.message:

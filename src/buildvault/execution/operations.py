@@ -54,6 +54,7 @@ class Job:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     # Every stage the job entered, in order (a retried job goes QUEUED, EXECUTING, QUEUED, ...).
     history: list[int] = field(default_factory=list)
+    on_done: Callable[[Job], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -73,6 +74,8 @@ class Job:
         if self.response is None:
             self.response = response
             self.stage = re_pb2.ExecutionStage.COMPLETED
+            if self.on_done is not None:
+                self.on_done(self)
             self.notify()
 
     def live_operations(self) -> list[Operation]:

@@ -14,12 +14,14 @@ import asyncio
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 from buildvault.actions import ActionCache
 from buildvault.config import Settings
 from buildvault.execution.executor import ExecutionConfig, Executor
 from buildvault.execution.local_workers import LocalWorker, build_local_workers
 from buildvault.execution.platform import MatchRules, PlatformError, parse_pools
+from buildvault.execution.stats import snapshot
 from buildvault.execution.worker import sandbox
 from buildvault.storage import BlobStore
 
@@ -94,6 +96,10 @@ class ExecutionRuntime:
             f"{len(self.workers)} local workers ({listed}), sandbox {self.sandbox_kind}, "
             f"execution {self.settings.execution}"
         )
+
+    def status(self) -> dict[str, Any]:
+        """Pools, workers, queued and running jobs, and the tallies (execution.stats.snapshot)."""
+        return snapshot(self.executor, self.sandbox_kind)
 
     async def close(self) -> None:
         await self.executor.close()

@@ -67,6 +67,7 @@ class Scheduler:
         self._closed = False
         self.retries = 0
         self.lost_workers = 0
+        self.on_started: Callable[[Job], None] | None = None
 
     # -- questions ------------------------------------------------------------------------
 
@@ -133,6 +134,8 @@ class Scheduler:
         job.attempts += 1
         job.worker = worker.name
         job.set_stage(re_pb2.ExecutionStage.EXECUTING)
+        if self.on_started is not None:
+            self.on_started(job)
         task = asyncio.create_task(self._execute(worker, job), name=f"job {job.id}")
         self._running[job.id] = (worker, job, task)
 

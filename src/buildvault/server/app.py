@@ -189,6 +189,7 @@ class App:
                 raise StartupError(str(e)) from None
             if self.execution is not None:
                 self.services.extra["execution"] = self.execution
+                self.metrics.watch_execution(self.execution.status)
             # --- end remote execution
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:

@@ -424,7 +424,9 @@ class HttpCache:
         await self.refresh_storage()
         s = self.metrics.storage
         counts = self.metrics.ac_counts()
+        execution = self.metrics.execution_status  # remote execution (issue 12): its own section
         return {
+            **({"execution": execution()} if execution is not None else {}),
             "version": self.version,
             "uptime_seconds": round(self.metrics.uptime_seconds, 3),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.metrics.started)),
@@ -600,6 +602,24 @@ def _human_seconds(value: Any) -> str:
     return " ".join(parts)
 
 
+def _execution_rows(execution: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """The status page's remote-execution section: pools, workers, queued and running jobs."""
+    if execution is None:
+        return []
+    rows: list[tuple[str, Any]] = [("Execution sandbox", execution["sandbox"])]
+    for pool in execution["pools"]:
+        summary = f"{pool['workers']} workers, {pool['busy']} busy, {pool['queued']} queued"
+        rows.append((f"Pool {pool['pool']}", summary))
+    for worker in execution["workers"]:
+        doing = f"{worker['action']} for {_human_seconds(worker['running_seconds'])}" if worker["action"] else ""
+        rows.append((f"Worker {worker['name']}", f"{worker['state']} {doing}".strip()))
+    for job in execution["queued"]:
+        rows.append(("Queued", f"{job['action']} ({job['pool']}) for {_human_seconds(job['age_seconds'])}"))
+    for job in execution["running"]:
+        rows.append(("Running", f"{job['action']} on {job['worker']} for {_human_seconds(job['age_seconds'])}"))
+    return rows
+
+
 def _render_html(doc: dict[str, Any]) -> str:
     hits, misses = doc["ac_hits"], doc["ac_misses"]
     ratio = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "–"
@@ -618,6 +638,7 @@ def _render_html(doc: dict[str, Any]) -> str:
         ("AC misses", f"{misses:,}"),
         ("AC hit ratio", ratio),
     ]
+    rows += _execution_rows(doc.get("execution"))  # remote execution (issue 12)
     body = "\n".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows
     )
