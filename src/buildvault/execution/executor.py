@@ -38,6 +38,10 @@ log = logging.getLogger("buildvault.execution")
 PRIORITY_RANGE = (-1000, 1000)
 
 
+class ShuttingDown(Exception):
+    """The server is closing: the stream ends without a result (UNAVAILABLE)."""
+
+
 class NoMatchingWorker(Exception):
     """No worker pool could ever run an action with this platform (FAILED_PRECONDITION)."""
 
@@ -61,6 +65,7 @@ class Executor:
         self.scheduler = Scheduler(workers, config.rules, self._finished)
         self._in_flight: dict[tuple[str, str], Job] = {}
         self._orphan_checks: dict[str, asyncio.TimerHandle] = {}
+        self._closing = asyncio.Event()
         self.stats = ExecutionStats()
         self.scheduler.on_started = self.stats.started
 
@@ -70,6 +75,8 @@ class Executor:
         self, instance: str, action_digest: Digest, *, skip_cache_lookup: bool = False, priority: int = 0
     ) -> Operation:
         verify_instance_name(instance)
+        if self._closing.is_set():
+            raise ShuttingDown("the server is shutting down; ask again")
         if action_digest.function is not DigestFunction.SHA256:
             raise InvalidRequest(
                 f"execution supports the SHA256 digest function only, not {action_digest.function.label}"
@@ -169,13 +176,30 @@ class Executor:
         return self.operations.get(name)
 
     async def follow(self, operation: Operation, from_start: bool = False) -> AsyncIterator[operations_pb2.Operation]:
-        """`operation.watch()` while counting the caller as a watcher (see `execution_grace`)."""
+        """`operation.watch()` while counting the caller as a watcher (see `execution_grace`).
+
+        Raises ShuttingDown, without a done Operation, when the server closes: a client then
+        asks again (WaitExecution, NOT_FOUND at a restarted server, Execute again)."""
+        if self._closing.is_set():
+            raise ShuttingDown("the server is shutting down; ask again")
         operation.watchers += 1
         self._cancel_orphan_check(operation.job)
+        messages = aiter(operation.watch(from_start))
+        closing = asyncio.ensure_future(self._closing.wait())
         try:
-            async for message in operation.watch(from_start):
+            while True:
+                following = asyncio.ensure_future(anext(messages))
+                await asyncio.wait({following, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():
+                    following.cancel()
+                    raise ShuttingDown("the server is shutting down; ask again")
+                try:
+                    message = following.result()
+                except StopAsyncIteration:
+                    return
                 yield message
         finally:
+            closing.cancel()
             operation.watchers -= 1
             self._maybe_orphaned(operation.job)
 
@@ -217,6 +241,7 @@ class Executor:
         return True
 
     async def close(self) -> None:
+        self._closing.set()
         for handle in self._orphan_checks.values():
             handle.cancel()
         self._orphan_checks.clear()

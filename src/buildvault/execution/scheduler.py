@@ -172,7 +172,8 @@ class Scheduler:
             self._dispatch()
 
     async def close(self) -> None:
-        """Stop dispatching, end every job UNAVAILABLE, stop the workers."""
+        """Stop dispatching, stop the workers, end every job UNAVAILABLE (their watchers have been
+        told already: Executor.close)."""
         self._closed = True
         for _, _, job in self._queue:
             job.finish(_shutting_down())

@@ -12,7 +12,7 @@ import grpc
 
 from buildvault import logs
 from buildvault.digest import Digest, DigestFunction, verify_instance_name
-from buildvault.execution.executor import Executor, NoMatchingWorker
+from buildvault.execution.executor import Executor, NoMatchingWorker, ShuttingDown
 from buildvault.execution.operations import Operation
 from buildvault.execution.requests import InvalidRequest
 from buildvault.execution.runtime import ExecutionRuntime
@@ -55,6 +55,8 @@ class ExecutionService:
             raise errors.InvalidArgument(str(e)) from None
         except NoMatchingWorker as e:
             raise errors.FailedPrecondition(str(e)) from None
+        except ShuttingDown as e:
+            raise errors.ServiceUnavailable(str(e)) from None
         await self._stream(operation, context, from_start=True)
 
     @rpc("WaitExecution")
@@ -71,8 +73,11 @@ class ExecutionService:
     async def _stream(
         self, operation: Operation, context: grpc.aio.ServicerContext[Any, Any], from_start: bool = False
     ) -> None:
-        async for message in self.executor.follow(operation, from_start):
-            await context.write(message)
+        try:
+            async for message in self.executor.follow(operation, from_start):
+                await context.write(message)
+        except ShuttingDown as e:
+            raise errors.ServiceUnavailable(str(e)) from None
 
 
 def add_execution_services(server: grpc.aio.Server, runtime: ExecutionRuntime, listener_address: str) -> None:

@@ -12,7 +12,8 @@ import grpc
 from google.longrunning import operations_pb2  # type: ignore[import-untyped]
 from google.protobuf import empty_pb2
 
-from buildvault.execution.executor import Executor
+from buildvault.execution.executor import Executor, ShuttingDown
+from buildvault.server import errors
 from buildvault.server.grpc import rpc
 
 MAX_PAGE = 1000
@@ -84,6 +85,8 @@ class OperationsService:
             return await asyncio.wait_for(last(), limit)
         except TimeoutError:
             return operation.message()
+        except ShuttingDown as e:
+            raise errors.ServiceUnavailable(str(e)) from None
 
     @rpc("DeleteOperation")
     async def DeleteOperation(
