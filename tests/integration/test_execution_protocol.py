@@ -342,3 +342,13 @@ async def test_execution_refused_on_a_non_loopback_listener(buildvault_server_fa
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await execute(channel, action_digest)
         assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--execution open" in error.value.details()
+
+
+async def test_no_local_workers_means_no_execution(buildvault_server_factory):
+    server = buildvault_server_factory("off", extra_args=["--local-workers", "0"])
+    async with grpc.aio.insecure_channel(server.grpc_address, options=CLIENT_OPTIONS) as channel:
+        caps = await make_stubs(channel).capabilities.GetCapabilities(re_pb2.GetCapabilitiesRequest())
+        assert not caps.HasField("execution_capabilities")
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await execute(channel, await ActionSpec(["/bin/true"]).upload(make_stubs(channel)))
+        assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
