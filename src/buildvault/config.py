@@ -109,6 +109,9 @@ class Settings:
     execution_grace: float = _setting(
         60.0, float, "seconds a running action is kept after its last waiting client went away", "SECONDS"
     )
+    queue: str = _setting(
+        "", str, "redis://HOST:PORT/DB: the shared execution queue for `buildvault worker`s (empty: in-process)", "URL"
+    )
     platform_exact_keys: str = _setting(
         "OSFamily,ISA,soc,cann,container-image", str, "platform keys a worker must match exactly", "KEYS"
     )
@@ -128,6 +131,8 @@ class Settings:
             raise ConfigError(f"execution: {self.execution!r} is not 'loopback' or 'open'")
         if self.sandbox not in ("auto", "bwrap", "none"):
             raise ConfigError(f"sandbox: {self.sandbox!r} is not 'auto', 'bwrap' or 'none'")
+        if self.queue and not self.queue.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"queue: {self.queue!r} is not a redis:// URL")
         if not 0 < self.action_timeout <= self.max_action_timeout:
             raise ConfigError("action_timeout: must be > 0 and at most max_action_timeout")
 

@@ -27,6 +27,7 @@ from buildvault.actions import ActionCache
 from buildvault.digest import Digest, DigestFunction, verify_instance_name
 from buildvault.execution.operations import Job, Operation, OperationTable, cancelled_response
 from buildvault.execution.platform import MatchRules, PlatformError, format_properties
+from buildvault.execution.redis_scheduler import RedisScheduler
 from buildvault.execution.requests import InvalidRequest, load_action
 from buildvault.execution.scheduler import Scheduler, Worker
 from buildvault.execution.stats import ExecutionStats
@@ -56,13 +57,22 @@ class ExecutionConfig:
 
 class Executor:
     def __init__(
-        self, config: ExecutionConfig, blobs: BlobStore, action_cache: ActionCache, workers: list[Worker]
+        self,
+        config: ExecutionConfig,
+        blobs: BlobStore,
+        action_cache: ActionCache,
+        workers: list[Worker],
+        queue_url: str = "",
     ) -> None:
         self.config = config
         self.blobs = blobs
         self.action_cache = action_cache
         self.operations = OperationTable()
-        self.scheduler = Scheduler(workers, config.rules, self._finished)
+        self.scheduler: Scheduler | RedisScheduler
+        if queue_url:
+            self.scheduler = RedisScheduler(queue_url, config.rules, self._finished)
+        else:
+            self.scheduler = Scheduler(workers, config.rules, self._finished)
         self._in_flight: dict[tuple[str, str], Job] = {}
         self._orphan_checks: dict[str, asyncio.TimerHandle] = {}
         self._closing = asyncio.Event()

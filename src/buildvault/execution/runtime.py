@@ -21,6 +21,7 @@ from buildvault.config import Settings
 from buildvault.execution.executor import ExecutionConfig, Executor
 from buildvault.execution.local_workers import LocalWorker, build_local_workers
 from buildvault.execution.platform import MatchRules, PlatformError, parse_pools
+from buildvault.execution.redis_scheduler import RedisScheduler
 from buildvault.execution.stats import snapshot
 from buildvault.execution.worker import sandbox
 from buildvault.storage import BlobStore
@@ -57,10 +58,10 @@ class ExecutionRuntime:
     @classmethod
     async def create(cls, settings: Settings, blobs: BlobStore, action_cache: ActionCache) -> ExecutionRuntime | None:
         try:
-            pools = parse_pools(settings.local_workers)
+            pools = [] if settings.queue else parse_pools(settings.local_workers)
         except PlatformError as e:
             raise ExecutionSetupError(str(e)) from None
-        if not pools:
+        if not pools and not settings.queue:
             return None
         try:
             kind = await asyncio.to_thread(sandbox.choose, settings.sandbox)
@@ -76,7 +77,12 @@ class ExecutionRuntime:
             max_timeout=settings.max_action_timeout,
             grace=settings.execution_grace,
         )
-        executor = Executor(config, blobs, action_cache, list(workers))
+        executor = Executor(config, blobs, action_cache, list(workers), queue_url=settings.queue)
+        if isinstance(executor.scheduler, RedisScheduler):
+            try:
+                await executor.scheduler.start()
+            except Exception as e:
+                raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
         return cls(settings, executor, workers, kind)
 
     def allowed_on(self, listener_address: str) -> bool:
@@ -92,6 +98,8 @@ class ExecutionRuntime:
         for worker in self.workers:
             pools[worker.pool] = pools.get(worker.pool, 0) + 1
         listed = "; ".join(f"{n}x {label}" for label, n in pools.items())
+        if self.settings.queue:
+            return f"queue {self.settings.queue} (buildvault worker processes), execution {self.settings.execution}"
         return (
             f"{len(self.workers)} local workers ({listed}), sandbox {self.sandbox_kind}, "
             f"execution {self.settings.execution}"
