@@ -2,7 +2,8 @@
 --remote_executor against two local pools, `soc=ascend910b1,cann=8.0.RC3` and `soc=ascend310p`.
 The execution platform's exec_properties send every action to the 910b1 pool, except the
 third-party library, whose per-target exec_properties override `soc` (and drop `cann`): each
-action's `execution_metadata.worker` shows the pool its properties name, never the other."""
+action's `execution_metadata.worker` shows the pool its properties name, never the other.
+Again with both pools as `buildvault worker` processes on a Redis queue."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import grpc
 import pytest
 from bazel_harness import BazelWorkspace
 from google.longrunning import operations_pb2, operations_pb2_grpc
+from redis_process import RedisProcess, WorkerProcess, wait_workers
 
 from buildvault.remote_apis import re_grpc, re_pb2
 
@@ -78,8 +80,7 @@ def executed_actions(address: str) -> list[tuple[list[str], str]]:
     return out
 
 
-def test_bazel_actions_run_in_the_pool_their_platform_names(soc_workspace, servers):
-    server = servers("soc", "--local-workers", POOLS)
+def build_and_check_routing(soc_workspace, server, pool_a: str, pool_b: str) -> None:
     flags = (
         f"--remote_executor=grpc://{server.grpc_address}",
         "--spawn_strategy=remote",
@@ -95,5 +96,28 @@ def test_bazel_actions_run_in_the_pool_their_platform_names(soc_workspace, serve
     third_party = [worker for outputs, worker in actions if any("third_party/tinyfmt" in p for p in outputs)]
     others = [worker for outputs, worker in actions if not any("third_party/tinyfmt" in p for p in outputs)]
     assert len(third_party) == 3  # 2 compiles + the archive
-    assert all("[soc=ascend310p]" in worker for worker in third_party), third_party
-    assert all("[cann=8.0.RC3,soc=ascend910b1]" in worker for worker in others), others
+    assert all(pool_b in worker for worker in third_party), third_party
+    assert all(pool_a in worker for worker in others), others
+
+
+def test_bazel_actions_run_in_the_pool_their_platform_names(soc_workspace, servers):
+    server = servers("soc", "--local-workers", POOLS)
+    build_and_check_routing(soc_workspace, server, "[cann=8.0.RC3,soc=ascend910b1]", "[soc=ascend310p]")
+
+
+def test_bazel_routing_with_redis_workers(soc_workspace, servers, tmp_path):
+    with RedisProcess(tmp_path / "redis") as redis:
+        server = servers("soc-redis", "--queue", redis.url)
+        started = [
+            WorkerProcess(server.grpc_address, redis.url, "soc=ascend910b1,cann=8.0.RC3", tmp_path / "a" / "work",
+                          "pool-910b1"),
+            WorkerProcess(server.grpc_address, redis.url, "soc=ascend310p", tmp_path / "b" / "work", "pool-310p"),
+        ]  # fmt: skip
+        try:
+            for worker in started:
+                worker.start()
+            wait_workers(server.status, 2)
+            build_and_check_routing(soc_workspace, server, "pool-910b1", "pool-310p")
+        finally:
+            for worker in started:
+                worker.stop()
