@@ -10,6 +10,7 @@
 3. The e2e workspace (tests/e2e/bazel_workspace) cold build with --remote_executor (2 local
    workers) vs Bazel's own local sandboxed execution, wall time ratio; then `bazel clean` and the
    all-cache-hits rebuild. Bazel's server is started before the timed build.
+4. Figures 1 and 2 again with `--queue redis://` (a private redis-server) and two `buildvault worker`s.
 
 Every response is checked (status OK, exit code 0, not cached); one JSON line per figure.
 """
@@ -22,7 +23,7 @@ import hashlib
 import json
 import os
 import shutil
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,8 +64,9 @@ class Actions:
             actions.append(action.SerializeToString(deterministic=True))
         blobs = [self.command, *actions]
         for start in range(0, len(blobs), 500):
+            part = blobs[start : start + 500]
             request = re_pb2.BatchUpdateBlobsRequest(
-                requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=_digest(b), data=b) for b in blobs[start:start + 500]]
+                requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=_digest(b), data=b) for b in part]
             )
             reply = await self.cas.BatchUpdateBlobs(request)
             assert all(r.status.code == 0 for r in reply.responses), reply
@@ -99,7 +101,7 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
 
 
-async def grpc_figures(address: str, latency_count: int, throughput_count: int) -> list[dict[str, Any]]:
+async def grpc_figures(address: str, latency_count: int, throughput_count: int, label: str) -> list[dict[str, Any]]:
     rows = []
     async with grpc.aio.insecure_channel(address) as channel:
         actions = Actions(channel)
@@ -108,7 +110,7 @@ async def grpc_figures(address: str, latency_count: int, throughput_count: int) 
             digests = await actions.upload(latency_count if concurrency == 1 else latency_count * 4)
             latencies = await _many(actions, digests, concurrency)
             rows.append({
-                "figure": f"execute_latency_c{concurrency}", "actions": len(latencies),
+                "figure": f"execute_latency_{label}_c{concurrency}", "actions": len(latencies),
                 "p50_ms": round(_percentile(latencies, 50) * 1000, 1),
                 "p99_ms": round(_percentile(latencies, 99) * 1000, 1),
             })  # fmt: skip
@@ -116,8 +118,8 @@ async def grpc_figures(address: str, latency_count: int, throughput_count: int) 
         started = time.perf_counter()
         await _many(actions, digests, 64)
         elapsed = time.perf_counter() - started
-        rows.append({"figure": "throughput_2_local_workers", "actions": throughput_count,
-                     "seconds": round(elapsed, 2), "actions_per_second": round(throughput_count / elapsed, 1)})  # fmt: skip
+        rows.append({"figure": f"throughput_{label}", "actions": throughput_count, "seconds": round(elapsed, 2),
+                     "actions_per_second": round(throughput_count / elapsed, 1)})  # fmt: skip
     return rows
 
 
@@ -154,20 +156,70 @@ def bazel_figures(address: str, scratch: Path) -> list[dict[str, Any]]:
     }]  # fmt: skip
 
 
+def _wait_redis(port: int, timeout: float = 20.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"redis-server on port {port} did not answer within {timeout:g}s")
+
+
+def redis_figures(scratch: Path, latency_count: int, throughput_count: int) -> list[dict[str, Any]]:
+    """The same gRPC figures with `--queue redis://` and two `buildvault worker` processes."""
+    port = servers.free_port()
+    redis = subprocess.Popen(
+        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    processes: list[subprocess.Popen[bytes]] = []
+    server = None
+    try:
+        _wait_redis(port)
+        server = servers.start_buildvault(scratch / "rdata", scratch / "rserver.log", ["--queue", url])
+        for n in range(2):
+            log = open(scratch / f"worker{n}.log", "wb")  # noqa: SIM115 - closed with the process
+            processes.append(subprocess.Popen(
+                [*servers.buildvault_command(), "worker", "--server", f"grpc://{server.address}", "--queue", url,
+                 "--work-dir", str(scratch / f"w{n}"), "--name", f"bench-{n}"],
+                stdout=log, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+        return asyncio.run(grpc_figures(server.address, latency_count, throughput_count, "redis_2_workers"))
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(20)
+        if server is not None:
+            servers.stop(server)
+        redis.terminate()
+        redis.wait(10)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--latency-actions", type=int, default=100, help="actions at c1 (c16 runs 4x as many)")
     parser.add_argument("--throughput-actions", type=int, default=1000)
     parser.add_argument("--no-bazel", action="store_true")
+    parser.add_argument("--no-redis", action="store_true", help="skip the Redis-queue figures")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="exec-bench-"))
     server = servers.start_buildvault(scratch / "data", scratch / "server.log", ["--local-workers", "2"])
     try:
-        rows = asyncio.run(grpc_figures(server.address, args.latency_actions, args.throughput_actions))
+        rows = asyncio.run(grpc_figures(server.address, args.latency_actions, args.throughput_actions, "embedded"))
         if not args.no_bazel:
             rows += bazel_figures(server.address, scratch)
     finally:
         servers.stop(server)
+    if not args.no_redis:
+        rows += redis_figures(scratch, args.latency_actions, args.throughput_actions)
     for row in rows:
         print(json.dumps(row))
     shutil.rmtree(scratch, ignore_errors=True)
