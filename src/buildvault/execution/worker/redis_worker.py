@@ -61,6 +61,7 @@ class RedisWorker:
         self.lease = lease
         self.running: dict[str, tuple[str, str, process.Cancel]] = {}  # job id -> (stream, entry id, cancel)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._slot_free = asyncio.Event()
 
     async def _streams(self) -> list[str]:
         platforms = [p.decode() for p in await self.redis.smembers(keys.PLATFORMS)]
@@ -83,9 +84,15 @@ class RedisWorker:
         try:
             while True:
                 free = self.concurrency - len(self.running)
+                if free <= 0:
+                    # Woken by the next job's end; the timeout only bounds a missed wake-up.
+                    self._slot_free.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._slot_free.wait(), 5.0)
+                    continue
                 streams = await self._streams()
-                if free <= 0 or not streams:
-                    await asyncio.sleep(0.2)
+                if not streams:
+                    await asyncio.sleep(0.5)  # no job stream exists yet anywhere: nothing to block on
                     continue
                 for stream in streams:
                     with contextlib.suppress(Exception):
@@ -133,6 +140,7 @@ class RedisWorker:
             await self.redis.hdel(keys.OWNERS, entry_id)
         finally:
             self.running.pop(job.id, None)
+            self._slot_free.set()
 
     async def _housekeeping(self) -> None:
         """Heartbeat, keep own leases fresh, take back jobs of lost workers."""
