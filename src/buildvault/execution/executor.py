@@ -76,6 +76,7 @@ class Executor:
         self._in_flight: dict[tuple[str, str], Job] = {}
         self._orphan_checks: dict[str, asyncio.TimerHandle] = {}
         self._closing = asyncio.Event()
+        self._cancelling: set[asyncio.Task[None]] = set()
         self.stats = ExecutionStats()
         self.scheduler.on_started = self.stats.started
 
@@ -230,9 +231,11 @@ class Executor:
         self._orphan_checks.pop(job.id, None)
         if not job.done and not any(op.watchers for op in job.live_operations()):
             log.info("job %s: no client waited for %gs, cancelling it", job.id, self.config.grace)
-            asyncio.get_running_loop().create_task(
+            task = asyncio.get_running_loop().create_task(
                 self.scheduler.cancel(job, f"no client waited for the result for {self.config.grace:g}s")
             )
+            self._cancelling.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._cancelling.discard)
 
     async def cancel(self, name: str) -> bool:
         """Cancel one operation (False: unknown name). Its job stops when no live operation is left."""

@@ -17,6 +17,8 @@ import time
 import uuid
 from typing import Any
 
+from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
+
 from buildvault.execution import redis_keys as keys
 from buildvault.execution import wire
 from buildvault.execution.operations import Job, cancelled_response
@@ -50,6 +52,7 @@ class RedisScheduler:
         self.started_at = time.monotonic()
         self._jobs: dict[str, Job] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._enqueuing: set[asyncio.Task[None]] = set()
         self._workers: list[RemoteWorkerView] = []
         self._workers_read = 0.0
         self.retries = 0
@@ -99,9 +102,23 @@ class RedisScheduler:
     def submit(self, job: Job) -> None:
         job.set_stage(re_pb2.ExecutionStage.QUEUED)
         self._jobs[job.id] = job
-        asyncio.get_running_loop().create_task(self._enqueue(job))
+        task = asyncio.get_running_loop().create_task(self._enqueue(job))
+        self._enqueuing.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(self._enqueuing.discard)
 
     async def _enqueue(self, job: Job) -> None:
+        try:
+            await self._xadd_job(job)
+        except Exception as e:
+            log.exception("cannot queue job %s in Redis", job.id)
+            self._jobs.pop(job.id, None)
+            job.finish(
+                re_pb2.ExecuteResponse(
+                    status=status_pb2.Status(code=code_pb2.UNAVAILABLE, message=f"the execution queue failed: {e}")
+                )
+            )
+
+    async def _xadd_job(self, job: Job) -> None:
         platform = format_properties(job.requirements)
         stream = keys.jobs_stream(platform)
         frame = wire.JobFrame(job.id, job.instance, job.action, job.command, job.timeout, job.queued_at)
