@@ -21,6 +21,8 @@ PACKAGES=(
   ninja-build       # the CMake generator the launcher tests and bench use
   git               # buildvault artifact: the key tree follows git ls-files (tests/run)
   apache2-utils     # htpasswd: the auth tests write their htpasswd files with the real tool
+  bubblewrap        # bwrap: the remote-execution workers' sandbox (--sandbox auto|bwrap)
+  redis-server      # the execution tests' own Redis (scale-out queue), started on a free port
 )
 
 missing=()

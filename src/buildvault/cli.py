@@ -92,6 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     from buildvault.server.auth.tokens import add_token_parser  # auth (issue 11)
 
     add_token_parser(commands)
+    # remote execution (issue 12): a worker on any machine, fed by the Redis queue
+    worker = commands.add_parser(
+        "worker",
+        help="run remote-execution jobs from a Redis queue",
+        description="Run jobs from `buildvault serve --queue redis://...`; inputs and outputs go through the "
+        "server's gRPC CAS only.",
+    )
+    worker.add_argument("--server", required=True, metavar="grpc://HOST:PORT", help="the server (its CAS)")
+    worker.add_argument("--queue", required=True, metavar="redis://HOST:PORT/DB", help="the server's --queue")
+    worker.add_argument("--platform", default="", metavar="KEY=VALUE,...", help="properties this worker offers")
+    worker.add_argument("--concurrency", type=int, default=1, metavar="N", help="jobs at once (default 1)")
+    worker.add_argument("--work-dir", default="buildvault-worker", metavar="DIR", help="action directories")
+    worker.add_argument("--sandbox", default="auto", choices=("auto", "bwrap", "none"))
+    worker.add_argument("--name", default="", help="worker name (default: host and properties)")
+    worker.add_argument("--lease", type=float, default=30.0, metavar="SECONDS",
+                        help="a job pending this long without its worker's heartbeat is taken back")  # fmt: skip
     return parser
 
 
@@ -183,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from buildvault.server.auth.tokens import add_token_command
 
         return add_token_command(args)
+    if args.command == "worker":  # remote execution (issue 12)
+        from buildvault.execution.worker.redis_worker import run_worker
+
+        return run_worker(args)
     if args.command != "serve":
         parser.print_help(sys.stderr)
         return 2

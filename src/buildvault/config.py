@@ -107,6 +107,33 @@ class Settings:
     tls_client_ca_file: str = _setting("", str, "PEM CA certificates that sign client certificates", "FILE")
     tls_client_auth: str = _setting("none", str, "client certificates: none, optional (HTTP only) or require", "MODE")
     min_tls_version: str = _setting("1.2", str, "lowest TLS version accepted: 1.2 or 1.3", "VERSION")
+    # -- remote execution (buildvault.execution) --
+    local_workers: str = _setting(
+        "",
+        str,
+        "local worker pools: ';'-separated 'N' or 'N:key=value,...' (empty: one worker per core; 0: no execution)",
+        "POOLS",
+    )
+    execution: str = _setting(
+        "loopback",
+        str,
+        "'loopback': Execute only on loopback listeners (unless access control grants 'execute'); 'open': anywhere",
+        "MODE",
+    )
+    sandbox: str = _setting("auto", str, "'auto' (bubblewrap when it works), 'bwrap' or 'none'", "MODE")
+    action_timeout: float = _setting(600.0, float, "seconds an action may run when it sets no timeout", "SECONDS")
+    max_action_timeout: float = _setting(7200.0, float, "the longest Action.timeout accepted", "SECONDS")
+    execution_grace: float = _setting(
+        60.0, float, "seconds a running action is kept after its last waiting client went away", "SECONDS"
+    )
+    queue: str = _setting(
+        "", str, "redis://HOST:PORT/DB: the shared execution queue for `buildvault worker`s (empty: in-process)", "URL"
+    )
+    platform_exact_keys: str = _setting(
+        "OSFamily,ISA,soc,cann,container-image", str, "platform keys a worker must match exactly", "KEYS"
+    )
+    platform_minimum_keys: str = _setting("cores", str, "numeric platform keys a worker must meet or exceed", "KEYS")
+    platform_ignore_keys: str = _setting("", str, "platform keys accepted and ignored", "KEYS")
 
     def __post_init__(self) -> None:
         if self.dir is None:
@@ -127,6 +154,14 @@ class Settings:
             raise ConfigError("tls_cert_file and tls_key_file: set both or neither")
         if self.tls_client_auth != "none" and not (self.tls_client_ca_file and self.tls_cert_file):
             raise ConfigError(f"tls_client_auth {self.tls_client_auth}: needs tls_client_ca_file and tls_cert_file")
+        if self.execution not in ("loopback", "open"):
+            raise ConfigError(f"execution: {self.execution!r} is not 'loopback' or 'open'")
+        if self.sandbox not in ("auto", "bwrap", "none"):
+            raise ConfigError(f"sandbox: {self.sandbox!r} is not 'auto', 'bwrap' or 'none'")
+        if self.queue and not self.queue.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"queue: {self.queue!r} is not a redis:// URL")
+        if not 0 < self.action_timeout <= self.max_action_timeout:
+            raise ConfigError("action_timeout: must be > 0 and at most max_action_timeout")
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field[Any]]:

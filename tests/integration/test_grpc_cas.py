@@ -29,7 +29,8 @@ async def test_capabilities(stubs):
     assert cache.max_cas_blob_size_bytes >= 0
     assert (caps.low_api_version.major, caps.low_api_version.minor) == (2, 0)
     assert (caps.high_api_version.major, caps.high_api_version.minor) >= (2, 3)
-    assert not caps.HasField("execution_capabilities")
+    # remote execution is on by default (local workers, loopback listener): see test_execution_protocol.py
+    assert caps.execution_capabilities.exec_enabled
 
 
 async def test_capabilities_rejects_bad_instance(stubs):

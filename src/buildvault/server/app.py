@@ -20,6 +20,7 @@ from typing import Any
 from buildvault import logs
 from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.config import Settings
+from buildvault.execution.runtime import ExecutionRuntime, ExecutionSetupError
 from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
@@ -66,6 +67,7 @@ class App:
         self.metrics = Metrics(version=VERSION)
         self._pins: PinRegistry | None = None
         self.auth: Auth | None = None
+        self.execution: ExecutionRuntime | None = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -105,9 +107,19 @@ class App:
                 pins=self._pins.listing if self._pins else None,
                 auth=self.auth,
             )
+            # Remote execution: the scheduler and local workers, before the listeners that serve them.
+            try:
+                self.execution = await ExecutionRuntime.create(self.settings, blobs, self.services.action_cache)
+            except ExecutionSetupError as e:
+                raise StartupError(str(e)) from None
+            if self.execution is not None:
+                self.services.execution = self.execution
+                self.metrics.watch_execution(self.execution.status)
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
                 await listener.start()
+            if self.execution is not None and self.grpc_address:  # remote execution (issue 12)
+                self.execution.bind(self.grpc_address)
         except BaseException:
             await self.stop(grace=0)
             raise
@@ -124,6 +136,9 @@ class App:
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop accepting, give in-flight requests `grace` seconds, abort unfinished uploads, close stores."""
+        if self.execution is not None:  # remote execution (issue 12): end jobs and streams first
+            execution, self.execution = self.execution, None
+            await execution.close()
         await asyncio.gather(*(listener.stop(grace) for listener in self.listeners), return_exceptions=True)
         if self.services is not None:
             await self.services.uploads.close()
@@ -173,6 +188,8 @@ class App:
         for listener in self.listeners:
             lines.append(f"  {listener.name:<6} {listener.address}")
         lines.append(f"  store  {self.stack.label if self.stack is not None else 'none'}")
+        if self.execution is not None:
+            lines.append(f"  exec   {self.execution.banner()}")
         lines.append(f"  log    {self.settings.log_level}")
         logs.banner(lines)
 

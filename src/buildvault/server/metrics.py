@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from buildvault.storage.metrics import CLIENT_TIER, REQUEST_PROTOCOL
 
@@ -265,6 +265,60 @@ class _ObjectTierCollector:
                                       value=float(uploaded))  # fmt: skip
 
 
+class _ExecutionCollector:
+    """Remote execution, read from `ExecutionRuntime.status()` at scrape time; nothing without it."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        source = self._metrics.execution_status
+        if source is None:
+            return []
+        return list(self._families(source()))
+
+    @staticmethod
+    def _families(s: dict[str, Any]) -> Iterable[Any]:
+        p = f"{PREFIX}_execution"
+        operations = CounterMetricFamily(
+            f"{p}_operations", "Finished executions by outcome (ok, exit_nonzero, timeout, cancelled, "
+            "unavailable, error) and Execute calls answered from the cache (cache_hit).", labels=["outcome"],
+        )  # fmt: skip
+        for name, value in sorted(s["outcomes"].items()):
+            operations.add_metric([name], float(value))
+        yield operations
+        queue = GaugeMetricFamily(f"{p}_queue_length", "Jobs waiting for a worker, by pool.", labels=["pool"])
+        oldest = GaugeMetricFamily(
+            f"{p}_oldest_queued_age_seconds", "Age of the oldest waiting job, by pool (0: none).", labels=["pool"]
+        )
+        workers = GaugeMetricFamily(f"{p}_workers", "Workers by pool and state.", labels=["pool", "state"])
+        for pool in s["pools"]:
+            queue.add_metric([pool["pool"]], float(pool["queued"]))
+            oldest.add_metric([pool["pool"]], float(pool["oldest_queued_age_seconds"]))
+            for state in ("busy", "idle"):
+                workers.add_metric([pool["pool"], state], float(pool[state]))
+        yield from (queue, oldest, workers)
+        for name, doc in (
+            ("queue_seconds", "Seconds a job waited in the queue before a worker took it."),
+            ("seconds", "Seconds from a worker taking a job to its end (inputs, run, outputs)."),
+        ):
+            timings = s["queue_seconds" if name == "queue_seconds" else "execution_seconds"]
+            buckets = [("+Inf" if b == float("inf") else repr(b), float(n)) for b, n in timings["buckets"]]
+            yield HistogramMetricFamily(f"{p}_{name}", doc, buckets=buckets, sum_value=timings["sum"])
+        for name, doc, key in (
+            ("retries", "Jobs sent back to the queue after their worker was lost.", "retries"),
+            ("lost_workers", "Workers lost while running a job.", "lost_workers"),
+            ("dedup_merges", "Execute calls that joined an identical action already in flight.", "dedup_merges"),
+        ):
+            yield CounterMetricFamily(f"{p}_{name}", doc, value=float(s[key]))
+        sandbox = GaugeMetricFamily(f"{p}_sandbox", "Always 1; the sandbox actions run in.", labels=["sandbox"])
+        sandbox.add_metric([s["sandbox"]], 1.0)
+        yield sandbox
+
+
 class Metrics:
     """The server's metrics and the few numbers /status shows, in one app-owned registry."""
 
@@ -333,6 +387,8 @@ class Metrics:
         r.register(_StorageCollector(self))
         self.object_tier_stats: Callable[[], Any] | None = None
         r.register(_ObjectTierCollector(self))
+        self.execution_status: Callable[[], dict[str, Any]] | None = None
+        r.register(_ExecutionCollector(self))
         # Plain tallies for /status (reading Counter values back is not public API).
         self._hits = {"grpc": 0, "http": 0}
         self._misses = {"grpc": 0, "http": 0}
@@ -387,6 +443,10 @@ class Metrics:
     def watch_object_tier(self, stats: Callable[[], Any] | None) -> None:
         """Collect the S3/OBS tier's metrics from `stats()` (ObjectTier.stats) at every scrape."""
         self.object_tier_stats = stats
+
+    def watch_execution(self, status: Callable[[], dict[str, Any]] | None) -> None:
+        """Collect remote execution's metrics from `status()` (ExecutionRuntime.status) at every scrape."""
+        self.execution_status = status
 
     # -- reading -----------------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from buildvault.actions import ActionCache
+from buildvault.execution.runtime import ExecutionRuntime
 from buildvault.server.auth import Auth
 from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.metrics import Metrics
@@ -63,6 +64,7 @@ class Services:
     storage_stats: StatsSource | None = None
     pins: PinsSource | None = None  # the pinned versions, for the status pages (server/pins.py)
     auth: Auth | None = None  # access control and TLS (server/auth); None: open, plaintext
+    execution: ExecutionRuntime | None = None  # remote execution (buildvault.execution); None: off
 
 
 def format_address(host: str, port: int) -> str:

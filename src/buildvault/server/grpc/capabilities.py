@@ -1,4 +1,4 @@
-"""Capabilities: what this cache offers (no execution yet)."""
+"""Capabilities: what this cache offers, and remote execution when it is enabled."""
 
 from __future__ import annotations
 
@@ -26,9 +26,29 @@ def cache_capabilities(max_cas_blob_size: int = 0) -> re_pb2.CacheCapabilities:
     )
 
 
-def server_capabilities(max_cas_blob_size: int = 0) -> re_pb2.ServerCapabilities:
+def execution_capabilities(priority_range: tuple[int, int]) -> re_pb2.ExecutionCapabilities:
+    # Bazel 4.2.3 refuses remote execution without the singular (deprecated) digest_function.
+    return re_pb2.ExecutionCapabilities(
+        digest_function=re_pb2.DigestFunction.SHA256,
+        digest_functions=[re_pb2.DigestFunction.SHA256],
+        exec_enabled=True,
+        execution_priority_capabilities=re_pb2.PriorityCapabilities(
+            priorities=[
+                re_pb2.PriorityCapabilities.PriorityRange(
+                    min_priority=priority_range[0], max_priority=priority_range[1]
+                )
+            ]
+        ),
+    )
+
+
+def server_capabilities(
+    max_cas_blob_size: int = 0, priority_range: tuple[int, int] | None = None
+) -> re_pb2.ServerCapabilities:
+    """`priority_range` set: execution is offered, with that ExecutionPolicy.priority range."""
     return re_pb2.ServerCapabilities(
         cache_capabilities=cache_capabilities(max_cas_blob_size),
+        execution_capabilities=execution_capabilities(priority_range) if priority_range else None,
         low_api_version=semver_pb2.SemVer(major=LOW_API_VERSION[0], minor=LOW_API_VERSION[1]),
         high_api_version=semver_pb2.SemVer(major=HIGH_API_VERSION[0], minor=HIGH_API_VERSION[1]),
     )
@@ -37,8 +57,8 @@ def server_capabilities(max_cas_blob_size: int = 0) -> re_pb2.ServerCapabilities
 class CapabilitiesService:
     """build.bazel.remote.execution.v2.Capabilities."""
 
-    def __init__(self, max_cas_blob_size: int = 0) -> None:
-        self._response = server_capabilities(max_cas_blob_size)
+    def __init__(self, max_cas_blob_size: int = 0, priority_range: tuple[int, int] | None = None) -> None:
+        self._response = server_capabilities(max_cas_blob_size, priority_range)
 
     @rpc("GetCapabilities")
     async def GetCapabilities(

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from buildvault.execution.executor import PRIORITY_RANGE
 from buildvault.remote_apis import bs_grpc, re_grpc
 from buildvault.server.auth.grpc_auth import AuthInterceptor
 from buildvault.server.auth.health import add_health_service
@@ -16,6 +17,7 @@ from buildvault.server.grpc.action_cache import ActionCacheService
 from buildvault.server.grpc.bytestream import ByteStreamService
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
+from buildvault.server.grpc.execution import add_execution_services
 from buildvault.server.services import Services, StartupError, format_address
 
 __all__ = ["GrpcListener"]
@@ -60,7 +62,12 @@ class GrpcListener:
         if auth is not None and auth.enabled:  # after metrics, so refusals count as requests too
             interceptors.append(AuthInterceptor(auth))
         server = grpc.aio.server(options=server_options(), interceptors=interceptors)
-        _add_capabilities(CapabilitiesService(s.max_cas_blob_size), server)
+        # Remote execution: Capabilities advertise it where it is served; Execution + Operations serve it.
+        execution = s.execution
+        priorities = PRIORITY_RANGE if execution is not None and execution.allowed_on(self.requested) else None
+        if execution is not None:
+            add_execution_services(server, execution, self.requested)
+        _add_capabilities(CapabilitiesService(s.max_cas_blob_size, priorities), server)
         _add_cas(CasService(s.blobs), server)
         _add_action_cache(ActionCacheService(s.action_cache), server)
         _add_bytestream(ByteStreamService(s.blobs, s.uploads), server)

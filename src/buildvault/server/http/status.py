@@ -52,7 +52,9 @@ class StatusPages:
         await self.refresh_storage()
         s = self.metrics.storage
         counts = self.metrics.ac_counts()
+        execution = self.metrics.execution_status  # remote execution: its own section, when on
         return {
+            **({"execution": execution()} if execution is not None else {}),
             "version": self.version,
             "uptime_seconds": round(self.metrics.uptime_seconds, 3),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.metrics.started)),
@@ -119,6 +121,24 @@ def _count(value: Any) -> str:
     return "–" if value is None else f"{value:,}"
 
 
+def _execution_rows(execution: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """The remote-execution section: pools, workers, queued and running jobs with their ages."""
+    if execution is None:
+        return []
+    rows: list[tuple[str, Any]] = [("Execution sandbox", execution["sandbox"])]
+    for pool in execution["pools"]:
+        summary = f"{pool['workers']} workers, {pool['busy']} busy, {pool['queued']} queued"
+        rows.append((f"Pool {pool['pool']}", summary))
+    for worker in execution["workers"]:
+        doing = f"{worker['action']} for {_human_seconds(worker['running_seconds'])}" if worker["action"] else ""
+        rows.append((f"Worker {worker['name']}", f"{worker['state']} {doing}".strip()))
+    for job in execution["queued"]:
+        rows.append(("Queued", f"{job['action']} ({job['pool']}) for {_human_seconds(job['age_seconds'])}"))
+    for job in execution["running"]:
+        rows.append(("Running", f"{job['action']} on {job['worker']} for {_human_seconds(job['age_seconds'])}"))
+    return rows
+
+
 def render_html(doc: dict[str, Any]) -> str:
     """The status document as a small self-contained HTML page."""
     hits, misses = doc["ac_hits"], doc["ac_misses"]
@@ -139,6 +159,7 @@ def render_html(doc: dict[str, Any]) -> str:
         ("AC hit ratio", ratio),
         ("Pinned versions", ", ".join(f"{p['name']}/{p['label']}" for p in doc.get("pins", [])) or "–"),
     ]
+    rows += _execution_rows(doc.get("execution"))
     body = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>buildvault status</title>

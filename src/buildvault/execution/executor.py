@@ -1,0 +1,261 @@
+"""Execute's behaviour without gRPC: checks, the ActionCache, dedup, the scheduler, cancel.
+
+    executor = Executor(config, blobs, action_cache, workers)
+    operation = await executor.execute(instance, action_digest, skip_cache_lookup=False, priority=0)
+    async for message in executor.follow(operation): ...      # counts the client as a watcher
+    await executor.cancel(operation.name)
+
+Errors raised before anything is queued: `MissingBlobs` (FAILED_PRECONDITION with one MISSING
+violation per blob), `InvalidRequest` (INVALID_ARGUMENT: a bad timeout, priority or platform
+key), `NoMatchingWorker` (FAILED_PRECONDITION naming the platform). Errors while running are
+in the response's status. A successful, cacheable result (exit code 0, status OK, not
+`do_not_cache`) is in the ActionCache before its operation reports done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from google.longrunning import operations_pb2  # type: ignore[import-untyped]
+from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
+
+from buildvault.actions import ActionCache
+from buildvault.digest import Digest, DigestFunction, verify_instance_name
+from buildvault.execution.operations import Job, Operation, OperationTable, cancelled_response
+from buildvault.execution.platform import MatchRules, PlatformError, format_properties
+from buildvault.execution.redis_scheduler import RedisScheduler
+from buildvault.execution.requests import InvalidRequest, load_action
+from buildvault.execution.scheduler import Scheduler, Worker
+from buildvault.execution.stats import ExecutionStats
+from buildvault.remote_apis import re_pb2
+from buildvault.storage import BlobStore, NotFound, single_chunk
+
+log = logging.getLogger("buildvault.execution")
+
+PRIORITY_RANGE = (-1000, 1000)
+
+
+class ShuttingDown(Exception):
+    """The server is closing: the stream ends without a result (UNAVAILABLE)."""
+
+
+class NoMatchingWorker(Exception):
+    """No worker pool could ever run an action with this platform (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    rules: MatchRules
+    default_timeout: float = 600.0
+    max_timeout: float = 7200.0
+    grace: float = 60.0
+
+
+class Executor:
+    def __init__(
+        self,
+        config: ExecutionConfig,
+        blobs: BlobStore,
+        action_cache: ActionCache,
+        workers: list[Worker],
+        queue_url: str = "",
+    ) -> None:
+        self.config = config
+        self.blobs = blobs
+        self.action_cache = action_cache
+        self.operations = OperationTable()
+        self.scheduler: Scheduler | RedisScheduler
+        if queue_url:
+            self.scheduler = RedisScheduler(queue_url, config.rules, self._finished)
+        else:
+            self.scheduler = Scheduler(workers, config.rules, self._finished)
+        self._in_flight: dict[tuple[str, str], Job] = {}
+        self._orphan_checks: dict[str, asyncio.TimerHandle] = {}
+        self._closing = asyncio.Event()
+        self._cancelling: set[asyncio.Task[None]] = set()
+        self.stats = ExecutionStats()
+        self.scheduler.on_started = self.stats.started
+
+    # -- Execute --------------------------------------------------------------------------
+
+    async def execute(
+        self, instance: str, action_digest: Digest, *, skip_cache_lookup: bool = False, priority: int = 0
+    ) -> Operation:
+        verify_instance_name(instance)
+        if self._closing.is_set():
+            raise ShuttingDown("the server is shutting down; ask again")
+        if action_digest.function is not DigestFunction.SHA256:
+            raise InvalidRequest(
+                f"execution supports the SHA256 digest function only, not {action_digest.function.label}"
+            )
+        low, high = PRIORITY_RANGE
+        if not low <= priority <= high:
+            raise InvalidRequest(f"priority {priority} is outside the supported range [{low}, {high}]")
+        loaded = await load_action(self.blobs, action_digest)
+        action, command = loaded.action, loaded.command
+        timeout = self._timeout(action)
+        try:
+            requirements = self.config.rules.requirements(
+                command.platform if command.HasField("platform") else None,
+                action.platform if action.HasField("platform") else None,
+            )
+        except PlatformError as e:
+            raise InvalidRequest(str(e)) from None
+        if not self.scheduler.could_run(requirements):
+            raise NoMatchingWorker(
+                f"no worker pool offers the platform {{{format_properties(requirements)}}}"
+            )
+        cacheable = not action.do_not_cache
+        if cacheable and not skip_cache_lookup:
+            try:
+                cached = await self.action_cache.get(instance, action_digest)
+            except NotFound:
+                pass
+            else:
+                self.stats.cache_hit()
+                response = re_pb2.ExecuteResponse(result=cached, cached_result=True, status=status_pb2.Status())
+                return self.operations.create(None, action_digest, response)
+        key = (instance, action_digest.key) if cacheable else None
+        if key is not None:
+            shared = self._in_flight.get(key)
+            if shared is not None and not shared.done:
+                self.stats.dedup_merges += 1
+                return self.operations.create(shared, action_digest)
+        job = Job(
+            id=uuid.uuid4().hex,
+            instance=instance,
+            action_digest=action_digest,
+            action=action,
+            command=command,
+            requirements=requirements,
+            timeout=timeout,
+            priority=priority,
+            cacheable=cacheable,
+            dedup_key=key,
+            on_done=self.stats.finished,
+        )
+        if key is not None:
+            self._in_flight[key] = job
+        operation = self.operations.create(job, action_digest)
+        self.scheduler.submit(job)
+        return operation
+
+    def _timeout(self, action: re_pb2.Action) -> float:
+        if not action.HasField("timeout"):
+            return self.config.default_timeout
+        seconds = action.timeout.ToTimedelta().total_seconds()
+        if seconds < 0:
+            raise InvalidRequest(f"timeout {seconds:g}s is negative")
+        if seconds == 0:
+            return self.config.default_timeout
+        if seconds > self.config.max_timeout:
+            raise InvalidRequest(f"timeout {seconds:g}s is above the maximum of {self.config.max_timeout:g}s")
+        return seconds
+
+    async def _finished(self, job: Job, response: re_pb2.ExecuteResponse) -> re_pb2.ExecuteResponse:
+        """Before the job reports done: the ActionCache entry, and the in-flight entry dropped."""
+        if job.dedup_key is not None and self._in_flight.get(job.dedup_key) is job:
+            del self._in_flight[job.dedup_key]
+        if response.message:
+            await self._attach_log(response)
+        if job.cacheable and response.status.code == code_pb2.OK and response.result.exit_code == 0:
+            try:
+                await self.action_cache.update(job.instance, job.action_digest, response.result)
+            except Exception:
+                log.exception("cannot store the result of %s in the action cache", job.action_digest)
+        return response
+
+    async def _attach_log(self, response: re_pb2.ExecuteResponse) -> None:
+        data = response.message.encode()
+        digest = Digest.of(data)
+        try:
+            await self.blobs.write(digest, single_chunk(data))
+        except Exception:
+            log.exception("cannot store a worker log")
+            return
+        response.server_logs["worker"].CopyFrom(
+            re_pb2.LogFile(digest=re_pb2.Digest(hash=digest.hash, size_bytes=digest.size_bytes), human_readable=True)
+        )
+
+    # -- watching, cancelling -------------------------------------------------------------
+
+    def get(self, name: str) -> Operation | None:
+        return self.operations.get(name)
+
+    async def follow(self, operation: Operation, from_start: bool = False) -> AsyncIterator[operations_pb2.Operation]:
+        """`operation.watch()` while counting the caller as a watcher (see `execution_grace`).
+
+        Raises ShuttingDown, without a done Operation, when the server closes: a client then
+        asks again (WaitExecution, NOT_FOUND at a restarted server, Execute again)."""
+        if self._closing.is_set():
+            raise ShuttingDown("the server is shutting down; ask again")
+        operation.watchers += 1
+        self._cancel_orphan_check(operation.job)
+        messages = aiter(operation.watch(from_start))
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            while True:
+                following = asyncio.ensure_future(anext(messages))
+                await asyncio.wait({following, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():
+                    following.cancel()
+                    raise ShuttingDown("the server is shutting down; ask again")
+                try:
+                    message = following.result()
+                except StopAsyncIteration:
+                    return
+                yield message
+        finally:
+            closing.cancel()
+            operation.watchers -= 1
+            self._maybe_orphaned(operation.job)
+
+    def _cancel_orphan_check(self, job: Job | None) -> None:
+        if job is not None:
+            handle = self._orphan_checks.pop(job.id, None)
+            if handle is not None:
+                handle.cancel()
+
+    def _maybe_orphaned(self, job: Job | None) -> None:
+        if job is None or job.done or any(op.watchers for op in job.live_operations()):
+            return
+        self._cancel_orphan_check(job)
+        loop = asyncio.get_running_loop()
+        self._orphan_checks[job.id] = loop.call_later(self.config.grace, self._orphan_check, job)
+
+    def _orphan_check(self, job: Job) -> None:
+        self._orphan_checks.pop(job.id, None)
+        if not job.done and not any(op.watchers for op in job.live_operations()):
+            log.info("job %s: no client waited for %gs, cancelling it", job.id, self.config.grace)
+            task = asyncio.get_running_loop().create_task(
+                self.scheduler.cancel(job, f"no client waited for the result for {self.config.grace:g}s")
+            )
+            self._cancelling.add(task)  # the loop keeps only weak references to tasks
+            task.add_done_callback(self._cancelling.discard)
+
+    async def cancel(self, name: str) -> bool:
+        """Cancel one operation (False: unknown name). Its job stops when no live operation is left."""
+        operation = self.operations.get(name)
+        if operation is None:
+            return False
+        if operation.done:
+            return True
+        operation.cancelled = True
+        operation.response = cancelled_response("the operation was cancelled")
+        job = operation.job
+        if job is not None:
+            job.notify()
+            if not job.live_operations():
+                await self.scheduler.cancel(job, "every operation waiting for this job was cancelled")
+        return True
+
+    async def close(self) -> None:
+        self._closing.set()
+        for handle in self._orphan_checks.values():
+            handle.cancel()
+        self._orphan_checks.clear()
+        await self.scheduler.close()

@@ -1,0 +1,201 @@
+"""Jobs (one execution of an action) and the operations clients watch (one per Execute call).
+
+Identical in-flight actions share one `Job`; every Execute gets its own `Operation` on it, so a
+client can cancel its own operation without stopping the others' work. A job is cancelled when
+all its operations are cancelled, or when none has had a watching client for the grace period.
+
+`Operation.message()` is the google.longrunning.Operation a client sees; `watch()` yields it at
+every change and at least every `keepalive` seconds, and ends after the one with `done`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from google.longrunning import operations_pb2  # type: ignore[import-untyped]
+from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
+
+from buildvault.digest import Digest
+from buildvault.remote_apis import re_pb2
+
+Stage = re_pb2.ExecutionStage.Value
+
+# How long finished operations stay answerable (WaitExecution, GetOperation).
+KEEP_FINISHED = 300.0
+# A stream repeats the current state at least this often (the issue: at least every 20 s).
+KEEPALIVE = 10.0
+
+
+@dataclass
+class Job:
+    """One execution of an action, shared by the operations that asked for it."""
+
+    id: str
+    instance: str
+    action_digest: Digest
+    action: re_pb2.Action
+    command: re_pb2.Command
+    requirements: dict[str, str]
+    timeout: float
+    priority: int
+    cacheable: bool
+    dedup_key: tuple[str, str] | None
+    queued_at: float = field(default_factory=time.time)
+    stage: int = re_pb2.ExecutionStage.QUEUED
+    response: re_pb2.ExecuteResponse | None = None
+    attempts: int = 0
+    worker: str = ""
+    started_at: float | None = None
+    operations: list[Operation] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Every stage the job entered, in order (a retried job goes QUEUED, EXECUTING, QUEUED, ...).
+    history: list[int] = field(default_factory=list)
+    on_done: Callable[[Job], None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.response is not None
+
+    def notify(self) -> None:
+        """Wake every watcher; the next change gets a fresh event."""
+        event, self.changed = self.changed, asyncio.Event()
+        event.set()
+
+    def set_stage(self, stage: int) -> None:
+        self.stage = stage
+        self.history.append(stage)
+        self.notify()
+
+    def finish(self, response: re_pb2.ExecuteResponse) -> None:
+        if self.response is None:
+            self.response = response
+            self.stage = re_pb2.ExecutionStage.COMPLETED
+            if self.on_done is not None:
+                self.on_done(self)
+            self.notify()
+
+    def live_operations(self) -> list[Operation]:
+        return [op for op in self.operations if not op.cancelled]
+
+
+def cancelled_response(message: str) -> re_pb2.ExecuteResponse:
+    return re_pb2.ExecuteResponse(status=status_pb2.Status(code=code_pb2.CANCELLED, message=message))
+
+
+@dataclass
+class Operation:
+    """What one Execute call (or a cache hit) is answered with."""
+
+    name: str
+    job: Job | None
+    action_digest: Digest
+    response: re_pb2.ExecuteResponse | None = None  # set for cache hits and cancelled operations
+    cancelled: bool = False
+    watchers: int = 0
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.current_response() is not None
+
+    def current_response(self) -> re_pb2.ExecuteResponse | None:
+        if self.response is not None:
+            return self.response
+        return self.job.response if self.job is not None else None
+
+    def stage(self) -> int:
+        if self.done:
+            return re_pb2.ExecutionStage.COMPLETED
+        assert self.job is not None
+        return self.job.stage
+
+    def message(self, stage: int | None = None) -> operations_pb2.Operation:
+        """The Operation now; `stage` names an earlier stage this operation went through instead."""
+        response = self.current_response() if stage is None else None
+        metadata = re_pb2.ExecuteOperationMetadata(
+            stage=self.stage() if stage is None else stage,  # type: ignore[arg-type]
+            action_digest=re_pb2.Digest(hash=self.action_digest.hash, size_bytes=self.action_digest.size_bytes),
+        )
+        operation = operations_pb2.Operation(name=self.name)
+        operation.metadata.Pack(metadata)
+        if response is not None:
+            operation.done = True
+            operation.response.Pack(response)
+        return operation
+
+    async def watch(
+        self, from_start: bool = False, keepalive: float = KEEPALIVE
+    ) -> AsyncIterator[operations_pb2.Operation]:
+        """Every stage in order, then the done Operation; the current state is repeated every
+        `keepalive` seconds meanwhile. `from_start` (an Execute call): from CACHE_CHECK on;
+        otherwise (WaitExecution) from the current state."""
+        job = self.job
+        history: list[int] = job.history if job is not None else []
+        if from_start:
+            yield self.message(re_pb2.ExecutionStage.CACHE_CHECK)
+            sent = 0
+        elif self.done:
+            sent = len(history)
+        else:
+            yield self.message()
+            sent = len(history)
+        while True:
+            event = job.changed if job is not None else None
+            while sent < len(history) and not self.done:
+                yield self.message(history[sent])
+                sent += 1
+            while sent < len(history) and history[sent] != re_pb2.ExecutionStage.COMPLETED:
+                yield self.message(history[sent])
+                sent += 1
+            if self.done or event is None:
+                yield self.message()
+                return
+            try:
+                await asyncio.wait_for(event.wait(), keepalive)
+            except TimeoutError:
+                if sent == len(history) and not self.done:
+                    yield self.message()
+
+
+class OperationTable:
+    """Operations by name; finished ones are forgotten after KEEP_FINISHED seconds."""
+
+    def __init__(self, keep_finished: float = KEEP_FINISHED, clock: Callable[[], float] = time.monotonic) -> None:
+        self.keep_finished = keep_finished
+        self.clock = clock
+        self._operations: dict[str, Operation] = {}
+
+    def create(
+        self, job: Job | None, action_digest: Digest, response: re_pb2.ExecuteResponse | None = None
+    ) -> Operation:
+        self.expire()
+        name = f"operations/{uuid.uuid4()}"
+        operation = Operation(name=name, job=job, action_digest=action_digest, response=response)
+        if job is not None:
+            job.operations.append(operation)
+        self._operations[operation.name] = operation
+        return operation
+
+    def get(self, name: str) -> Operation | None:
+        self.expire()
+        return self._operations.get(name)
+
+    def all(self) -> list[Operation]:
+        self.expire()
+        return list(self._operations.values())
+
+    def remove(self, name: str) -> bool:
+        return self._operations.pop(name, None) is not None
+
+    def expire(self) -> None:
+        now = self.clock()
+        for name, operation in list(self._operations.items()):
+            if operation.done:
+                if operation.finished_at is None:
+                    operation.finished_at = now
+                elif now - operation.finished_at > self.keep_finished:
+                    del self._operations[name]

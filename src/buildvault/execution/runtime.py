@@ -1,0 +1,113 @@
+"""Remote execution as one piece of a server process: built from Settings, bound, closed.
+
+    runtime = await ExecutionRuntime.create(settings, blobs, action_cache)   # None: execution off
+    runtime.bind("127.0.0.1:9092")   # where the local workers reach the CAS
+    await runtime.close()            # cancel what runs, stop the worker processes
+
+`--local-workers 0` turns execution off. `--sandbox bwrap` where bubblewrap cannot run is a
+start-up error (`ExecutionSetupError`), not a failure of every action later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from buildvault.actions import ActionCache
+from buildvault.config import Settings
+from buildvault.execution.executor import ExecutionConfig, Executor
+from buildvault.execution.local_workers import LocalWorker, build_local_workers
+from buildvault.execution.platform import MatchRules, PlatformError, parse_pools
+from buildvault.execution.redis_scheduler import RedisScheduler
+from buildvault.execution.stats import snapshot
+from buildvault.execution.worker import sandbox
+from buildvault.storage import BlobStore
+
+log = logging.getLogger("buildvault.execution")
+
+
+class ExecutionSetupError(RuntimeError):
+    """Execution is configured in a way that cannot work here (bad pools, no bubblewrap)."""
+
+
+def _connectable(address: str) -> str:
+    """A listener address a local process can dial (a wildcard host becomes loopback)."""
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host in ("[::]", "::"):
+        host = "[::1]"
+    return f"{host}:{port}"
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class ExecutionRuntime:
+    def __init__(self, settings: Settings, executor: Executor, workers: list[LocalWorker], sandbox_kind: str) -> None:
+        self.settings = settings
+        self.executor = executor
+        self.workers = workers
+        self.sandbox_kind = sandbox_kind
+
+    @classmethod
+    async def create(cls, settings: Settings, blobs: BlobStore, action_cache: ActionCache) -> ExecutionRuntime | None:
+        try:
+            pools = [] if settings.queue else parse_pools(settings.local_workers)
+        except PlatformError as e:
+            raise ExecutionSetupError(str(e)) from None
+        if not pools and not settings.queue:
+            return None
+        try:
+            kind = await asyncio.to_thread(sandbox.choose, settings.sandbox)
+        except sandbox.SandboxError as e:
+            raise ExecutionSetupError(f"--sandbox bwrap: {e}") from None
+        work_root = Path(settings.dir) / "exec"
+        # Left-overs of a previous run are never inputs of this one.
+        await asyncio.to_thread(shutil.rmtree, work_root, True)
+        workers = build_local_workers(pools, work_root, settings.sandbox)
+        config = ExecutionConfig(
+            rules=MatchRules.from_settings(settings),
+            default_timeout=settings.action_timeout,
+            max_timeout=settings.max_action_timeout,
+            grace=settings.execution_grace,
+        )
+        executor = Executor(config, blobs, action_cache, list(workers), queue_url=settings.queue)
+        if isinstance(executor.scheduler, RedisScheduler):
+            try:
+                await executor.scheduler.start()
+            except Exception as e:
+                raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
+        return cls(settings, executor, workers, kind)
+
+    def allowed_on(self, listener_address: str) -> bool:
+        """Whether Execute is served on a listener bound to `listener_address`."""
+        return self.settings.execution == "open" or is_loopback(listener_address)
+
+    def bind(self, grpc_address: str) -> None:
+        for worker in self.workers:
+            worker.server = _connectable(grpc_address)
+
+    def banner(self) -> str:
+        pools: dict[str, int] = {}
+        for worker in self.workers:
+            pools[worker.pool] = pools.get(worker.pool, 0) + 1
+        listed = "; ".join(f"{n}x {label}" for label, n in pools.items())
+        if self.settings.queue:
+            return f"queue {self.settings.queue} (buildvault worker processes), execution {self.settings.execution}"
+        return (
+            f"{len(self.workers)} local workers ({listed}), sandbox {self.sandbox_kind}, "
+            f"execution {self.settings.execution}"
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Pools, workers, queued and running jobs, and the tallies (execution.stats.snapshot)."""
+        return snapshot(self.executor, self.sandbox_kind)
+
+    async def close(self) -> None:
+        await self.executor.close()
