@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ class LocalWorker:
         self.sandbox_mode = sandbox
         self.sandbox = ""  # what the process reported it really uses ("bwrap" or "none")
         self.server = ""  # the gRPC address of the CAS, set once the listener is bound
+        self.token: str | None = None  # its bearer token under access control (client/remote.py reads it)
         self.process: asyncio.subprocess.Process | None = None
         self._starting: asyncio.Lock = asyncio.Lock()
         self._waiting: dict[str, asyncio.Future[wire.ResultFrame]] = {}
@@ -69,6 +71,7 @@ class LocalWorker:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 limit=LINE_LIMIT,
+                env=self._environment(),
             )
             assert process.stdout is not None
             hello = await process.stdout.readline()
@@ -83,6 +86,12 @@ class LocalWorker:
             self.started += 1
             self._reader = asyncio.create_task(self._read(process), name=f"worker {self.name} reader")
             return process
+
+    def _environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("BUILDVAULT_TOKEN", "BUILDVAULT_TOKEN_FILE")}
+        if self.token is not None:
+            env["BUILDVAULT_TOKEN"] = self.token
+        return env
 
     async def _read(self, process: asyncio.subprocess.Process) -> None:
         assert process.stdout is not None

@@ -85,13 +85,18 @@ class ExecutionRuntime:
                 raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
         return cls(settings, executor, workers, kind)
 
-    def allowed_on(self, listener_address: str) -> bool:
-        """Whether Execute is served on a listener bound to `listener_address`."""
-        return self.settings.execution == "open" or is_loopback(listener_address)
+    def allowed_on(self, listener_address: str, *, access_controlled: bool = False) -> bool:
+        """Whether Execute is served on a listener bound to `listener_address`: anywhere with
+        `--execution open` or under access control (callers then need the `execute` permission,
+        checked by server/auth), else only on loopback."""
+        return self.settings.execution == "open" or access_controlled or is_loopback(listener_address)
 
-    def bind(self, grpc_address: str) -> None:
+    def bind(self, grpc_address: str, token: str | None = None) -> None:
+        """Point the local workers at the bound gRPC listener; `token`: their bearer token when the
+        server has access control (server/auth issues it)."""
         for worker in self.workers:
             worker.server = _connectable(grpc_address)
+            worker.token = token
 
     def banner(self) -> str:
         pools: dict[str, int] = {}

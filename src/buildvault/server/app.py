@@ -118,8 +118,10 @@ class App:
             self.listeners = self._build_listeners(self.services)
             for listener in self.listeners:
                 await listener.start()
-            if self.execution is not None and self.grpc_address:  # remote execution (issue 12)
-                self.execution.bind(self.grpc_address)
+            if self.execution is not None and self.grpc_address:
+                controlled = self.auth is not None and self.auth.enabled
+                token = self.auth.issue_internal_token() if self.auth is not None and controlled else None
+                self.execution.bind(self.grpc_address, token)
         except BaseException:
             await self.stop(grace=0)
             raise

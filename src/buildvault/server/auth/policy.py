@@ -9,16 +9,20 @@ it in whole, so a request sees either the old settings or the new ones, never a 
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field
 
 from buildvault.server.auth.credentials import BadCredentials, Credentials, parse_authorization
 from buildvault.server.auth.grants import Grants, Permission
 
-__all__ = ["ANONYMOUS", "Policy", "Refusal"]
+__all__ = ["ANONYMOUS", "INTERNAL_PRINCIPAL", "Policy", "Refusal"]
 
 # How an unauthenticated caller appears in request logs.
 ANONYMOUS = "anonymous"
 CERT_PREFIX = "cert:"
+# The server's own local workers (they fetch inputs and upload outputs through its CAS). A token
+# file's principal cannot contain ':', so no credential on disk can claim this name.
+INTERNAL_PRINCIPAL = "buildvault:local-workers"
 
 
 class Refusal(Exception):
@@ -44,12 +48,17 @@ class Policy:
     grants: Grants | None = None
     allow_unauthenticated_reads: bool = False
     certificates_identify: bool = False
+    internal_token: str | None = None  # made at start-up for the local workers, never on disk
 
     async def authenticate(self, authorization: str | None, cert_cn: str | None) -> str | None:
         """The caller's principal, None when it sent no credential; Refusal for a bad one.
 
         An `authorization` value wins over a client certificate."""
         if authorization is not None:
+            if self.internal_token is not None and hmac.compare_digest(
+                authorization.encode(), f"Bearer {self.internal_token}".encode()
+            ):
+                return INTERNAL_PRINCIPAL
             known = self.credentials.remembered(authorization)
             if known is not None:
                 return known
@@ -70,6 +79,8 @@ class Policy:
             return True
         if principal is None:
             return False
+        if principal == INTERNAL_PRINCIPAL:
+            return permission in (Permission.READ, Permission.WRITE)
         if self.grants is None:
             return permission in (Permission.READ, Permission.WRITE)
         return self.grants.allows(principal, permission, instance)

@@ -12,7 +12,9 @@ False and both front ends skip every check (today's open server).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,13 @@ class Auth:
         if self.metrics is not None:
             self.metrics.auth_refused(protocol, refusal.reason)
 
+    def issue_internal_token(self) -> str:
+        """A bearer token for the server's own local workers: read and write on every instance,
+        held in memory only (kept across reloads)."""
+        token = secrets.token_urlsafe(32)
+        self.policy = dataclasses.replace(self.policy, internal_token=token)
+        return token
+
     async def reload(self) -> bool:
         """Reread every file; on any error keep the old settings, log why and return False."""
         try:
@@ -105,7 +114,7 @@ class Auth:
             return False
         if self.tls is not None and files is not None:
             self.tls.apply(files)
-        self.policy = policy
+        self.policy = dataclasses.replace(policy, internal_token=self.policy.internal_token)
         self.reloads += 1
         log.info("reloaded access control%s", " and TLS certificates" if self.tls is not None else "")
         return True

@@ -80,14 +80,16 @@ class ExecutionService:
             raise errors.ServiceUnavailable(str(e)) from None
 
 
-def add_execution_services(server: grpc.aio.Server, runtime: ExecutionRuntime, listener_address: str) -> None:
+def add_execution_services(
+    server: grpc.aio.Server, runtime: ExecutionRuntime, listener_address: str, *, access_controlled: bool = False
+) -> None:
     """Register Execution and Operations for `runtime` on a listener bound to `listener_address`."""
     from google.longrunning import operations_pb2_grpc  # type: ignore[import-untyped]
 
     from buildvault.remote_apis import re_grpc
     from buildvault.server.grpc.operations import OperationsService
 
-    allowed = runtime.allowed_on(listener_address)
+    allowed = runtime.allowed_on(listener_address, access_controlled=access_controlled)
     service = ExecutionService(runtime.executor, allowed=allowed)
     re_grpc.add_ExecutionServicer_to_server(service, server)
     operations_pb2_grpc.add_OperationsServicer_to_server(OperationsService(runtime.executor), server)

@@ -64,9 +64,11 @@ class GrpcListener:
         server = grpc.aio.server(options=server_options(), interceptors=interceptors)
         # Remote execution: Capabilities advertise it where it is served; Execution + Operations serve it.
         execution = s.execution
-        priorities = PRIORITY_RANGE if execution is not None and execution.allowed_on(self.requested) else None
+        controlled = auth is not None and auth.enabled
+        served = execution is not None and execution.allowed_on(self.requested, access_controlled=controlled)
+        priorities = PRIORITY_RANGE if served else None
         if execution is not None:
-            add_execution_services(server, execution, self.requested)
+            add_execution_services(server, execution, self.requested, access_controlled=controlled)
         _add_capabilities(CapabilitiesService(s.max_cas_blob_size, priorities), server)
         _add_cas(CasService(s.blobs), server)
         _add_action_cache(ActionCacheService(s.action_cache), server)
