@@ -39,6 +39,8 @@ import _socket  # the C module: `socket` would import enum, selectors, ... (~10 
 from . import protocol
 
 _WARN_EVERY = 60.0
+_AGENT_MODULES = ("agent.py", "hits.py", "store.py", "keys.py", "includes.py", "outputs.py", "toolchain.py",
+                  "preprocessed.py", "compile_args.py", "remote.py", "roots.py")
 
 
 def _fnv1a(data: bytes) -> int:
@@ -50,10 +52,12 @@ def _fnv1a(data: bytes) -> int:
 
 def _socket_path() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        code = os.stat(os.path.join(here, "agent.py")).st_mtime_ns
-    except OSError:
-        code = 0
+    code = 0
+    for module in _AGENT_MODULES:  # new agent code gets a new agent
+        try:
+            code ^= os.stat(os.path.join(here, module)).st_mtime_ns
+        except OSError:
+            pass
     config = "\0".join(
         [
             os.environ.get("BUILDVAULT_REMOTE", ""),
@@ -334,11 +338,16 @@ def compile_through_cache(argv: list[str], state: dict | None = None) -> int:
                 protocol.send(sock, {"op": "done", "token": reply["token"], "exit": code, "stdout": out,
                                      "stderr": err, "seconds": seconds, "started": started,
                                      "elapsed": time.monotonic() - start})
-                result = protocol.recv(sock) or {"reason": "agent-failed"}
+                result = protocol.recv(sock) or {"reason": "agent-failed", "rerun": True}
             except (OSError, ValueError):
-                result = {"reason": "agent-failed"}
+                result = {"reason": "agent-failed", "rerun": True}
             if result.get("warning"):
                 _warn(result["warning"])
+            if result.get("rerun"):
+                # The outputs went to private temp paths the agent did not move into place: run the
+                # compile untouched instead (the output path changed kind, or the agent failed).
+                event.update(status="BYPASS", reason=result.get("reason", "agent-failed"))
+                return finish(run(argv))
             if result.get("agent_logs"):
                 return code  # the agent logs this compile once its upload finishes
             event.update(reason=result.get("reason", ""), action=result.get("digest"), outputs=result.get("outputs", 0))
