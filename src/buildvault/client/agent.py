@@ -329,6 +329,11 @@ class _Handler(socketserver.BaseRequestHandler):
                         reply = {"op": "pong", "pid": os.getpid()}
                     elif op == "stop":
                         agent.flush()
+                        # Give the socket and its lock up now: the next compile starts a new agent
+                        # instead of reaching this one while it shuts down.
+                        self.server.gave_up = True  # type: ignore[attr-defined]
+                        _unlink(self.server.socket_path)  # type: ignore[attr-defined]
+                        os.close(self.server.lock_fd)  # type: ignore[attr-defined]
                         protocol.send(sock, {"op": "stopping"})
                         threading.Thread(target=self.server.shutdown, daemon=True).start()
                         return
@@ -377,6 +382,9 @@ def serve(socket_path: str, idle: float) -> int:
     tmp_sock = f"{socket_path}.{os.getpid()}"
     server = _Server(tmp_sock, _Handler)
     server.agent = agent  # type: ignore[attr-defined]
+    server.socket_path = socket_path  # type: ignore[attr-defined]
+    server.lock_fd = lock_fd  # type: ignore[attr-defined]
+    server.gave_up = False  # type: ignore[attr-defined]
     os.chmod(tmp_sock, 0o600)
     os.rename(tmp_sock, socket_path)
     _unlink(socket_path + ".starting")
@@ -399,10 +407,8 @@ def serve(socket_path: str, idle: float) -> int:
     try:
         server.serve_forever(poll_interval=0.5)
     finally:
-        try:
-            os.unlink(socket_path)
-        except OSError:
-            pass
+        if not server.gave_up:  # type: ignore[attr-defined]
+            _unlink(socket_path)  # (after a stop the path may already be the next agent's)
         server.server_close()
         agent.remote.close()
     return 0
