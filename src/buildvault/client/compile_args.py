@@ -94,6 +94,7 @@ class Compile:
     output: str  # as given (or the default name)
     depfile: str | None  # user-requested dependency output (as given), or None
     include_dirs: list[str] = field(default_factory=list)  # search order, as given
+    include_flags: list[tuple[str, str]] = field(default_factory=list)  # (-I / -iquote / -isystem / -idirafter, dir)
     forced_includes: list[str] = field(default_factory=list)
     debug_info: bool = False
     compressed_debug: bool = False
@@ -137,6 +138,7 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
     dep_md = False
     language = None  # current -x
     include_dirs: list[str] = []
+    include_flags: list[tuple[str, str]] = []
     forced: list[str] = []
     debug = False
     gz = False
@@ -211,10 +213,12 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
             return Bypass(f"attached-value:{arg}")  # the search for it is only modelled for the separate form
         elif arg in INCLUDE_DIR_FLAGS:
             include_dirs.append(value)
+            include_flags.append((arg, value))
         elif arg.startswith(INCLUDE_DIR_FLAGS) and not arg.startswith(("-include", "-imacros")):
             for flag in INCLUDE_DIR_FLAGS:
                 if arg.startswith(flag):
                     include_dirs.append(arg[len(flag):])
+                    include_flags.append((flag, arg[len(flag):]))
                     break
         elif arg.startswith("-g"):
             level = arg[2:]
@@ -246,6 +250,7 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
         output=output,
         depfile=depfile if dep_md else None,
         include_dirs=include_dirs,
+        include_flags=include_flags,
         forced_includes=forced,
         debug_info=debug,
         compressed_debug=gz,

@@ -2,18 +2,21 @@
 
 A hit is only right if every header would still be found where it was found, and every
 `__has_include` would still answer the same. A manifest entry therefore records, besides the
-hashed inputs, the state (absent, a file, something else) of every place the search could have
-looked: for each header used and each name a file asks `__has_include` about,
+hashed inputs, the state (absent, a file, something else) of the places the search looks, in
+GCC's order, up to and including the place where a file is found:
 
-- the including file's own directory for the names that file quotes (`#include "x.h"`),
-- every dir of the chain: `-iquote`, `-I`, CPATH, `-isystem`, C_INCLUDE_PATH / CPLUS_INCLUDE_PATH /
-  OBJC_INCLUDE_PATH, the compiler's own dirs (asked with `-E -v`), `-idirafter`,
-- the working directory for `-include` / `-imacros` names.
+- `#include "x"` in file F: F's own directory, `-iquote`, then the bracket chain;
+- `#include <x>`: the bracket chain: `-I`, CPATH, `-isystem`, C_INCLUDE_PATH / CPLUS_INCLUDE_PATH /
+  OBJC_INCLUDE_PATH, the compiler's own dirs (asked with `-E -v`), `-idirafter`; an `-I` or CPATH
+  dir that is also a system dir is searched only at its system place (GCC drops the other);
+- `-include x` / `-imacros x`: the working directory first, then `-iquote` and the bracket chain;
+- `#include_next` and `__has_include_next` names: every place (where the search starts depends on
+  where the including file was found);
+- names a macro computes: every header read, under every dir of the chain that holds it.
 
-The order of the chain does not matter (the state of every candidate is recorded, not only the
-earlier ones), so `#include_next`, `__has_include_next`, GCC dropping an `-I` that repeats a
-system dir, and the relative order of CPATH and `-isystem` need no modelling. An absent path is
-recorded as its first missing component (one lstat covers everything below it). Stdlib only.
+Names come from the text of every file read (inactive branches too: more places recorded, never
+fewer) and `__has_include` is handled like `#include`. An absent path is recorded as its first
+missing component (one lstat covers everything below it). Stdlib only.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from .compile_args import Compile
 ABSENT, FILE, OTHER = "-", "f", "o"
 _INCLUDE_ENV = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "OBJCPLUS_INCLUDE_PATH")
 
-_DIRECTIVE = re.compile(rb'^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*([<"])([^>"\r\n]*)[>"]', re.M)
+_DIRECTIVE = re.compile(rb'^[ \t]*#[ \t]*(include|include_next|import)[ \t]*([<"])([^>"\r\n]*)[>"]', re.M)
 _COMPUTED_DIRECTIVE = re.compile(rb'^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]+[^<"\s]', re.M)
-_HAS_INCLUDE = re.compile(rb'__has_include(?:_next)?\s*\(\s*([<"])([^>"\r\n]*)[>"]\s*\)')
+_HAS_INCLUDE = re.compile(rb'__has_include(_next)?\s*\(\s*([<"])([^>"\r\n]*)[>"]\s*\)')
 _HAS_INCLUDE_CALL = re.compile(rb"__has_include(?:_next)?\s*\(")
 # What makes the compile read a file no dependency list names, or depend on a file's mtime.
 _UNSEEN_READS = (
@@ -47,6 +50,7 @@ class Directives:
 
     quoted: tuple[bytes, ...]  # names in #include "..." and __has_include("...")
     angled: tuple[bytes, ...]  # names in #include <...> and __has_include(<...>)
+    following: tuple[bytes, ...]  # names in #include_next / __has_include_next (either form)
     computed: bool  # an #include whose name a macro makes
     unseen: str | None  # why this file makes the compile uncacheable, if it does
 
@@ -54,46 +58,60 @@ class Directives:
 def scan_directives(data: bytes) -> Directives:
     quoted: set[bytes] = set()
     angled: set[bytes] = set()
-    for pattern in (_DIRECTIVE, _HAS_INCLUDE):
-        for m in pattern.finditer(data):
-            (quoted if m.group(1) == b'"' else angled).add(m.group(2))
+    following: set[bytes] = set()
+    for m in _DIRECTIVE.finditer(data):
+        if m.group(1) == b"include_next":
+            following.add(m.group(3))
+        (quoted if m.group(2) == b'"' else angled).add(m.group(3))
+    for m in _HAS_INCLUDE.finditer(data):
+        if m.group(1):
+            following.add(m.group(3))
+        (quoted if m.group(2) == b'"' else angled).add(m.group(3))
     unseen = None
     if b"__has_include" in data and len(_HAS_INCLUDE_CALL.findall(data)) != len(_HAS_INCLUDE.findall(data)):
         unseen = "__has_include with a computed name in an input"
     for pattern, reason in _UNSEEN_READS:
         if unseen is None and pattern.search(data):
             unseen = reason
-    return Directives(tuple(sorted(quoted)), tuple(sorted(angled)), bool(_COMPUTED_DIRECTIVE.search(data)), unseen)
+    return Directives(tuple(sorted(quoted)), tuple(sorted(angled)), tuple(sorted(following)),
+                      bool(_COMPUTED_DIRECTIVE.search(data)), unseen)
 
 
-def chain_dirs(c: Compile, cwd: str, env: dict[str, str], system_dirs: Iterable[str]) -> list[str]:
-    """Every dir of the #include search chain of `c` (absolute, as the compiler spells them)."""
-    dirs: list[str] = []
-    for d in c.include_dirs:
-        dirs.append(os.path.join(cwd, d))
-    for name in _INCLUDE_ENV:
-        value = env.get(name)
-        if value is not None:
-            dirs.extend(os.path.join(cwd, d or ".") for d in value.split(os.pathsep))
-    dirs.extend(os.path.join(cwd, d) for d in system_dirs)
-    return list(dict.fromkeys(dirs))
+@dataclass(frozen=True)
+class SearchPath:
+    """The dirs of a compile's include search, absolute, as the compiler spells them, in order."""
+
+    quote: tuple[str, ...]  # -iquote
+    bracket: tuple[str, ...]  # -I, CPATH, -isystem, *_INCLUDE_PATH, the compiler's own, -idirafter
+
+
+def _real(d: str) -> str:
+    return os.path.realpath(d)
+
+
+def search_path(c: Compile, cwd: str, env: dict[str, str], system_dirs: Iterable[str]) -> SearchPath:
+    def given(flag: str) -> list[str]:
+        return [os.path.join(cwd, d) for f, d in c.include_flags if f == flag]
+
+    def from_env(*names: str) -> list[str]:
+        out: list[str] = []
+        for name in names:
+            value = env.get(name)
+            if value is not None:
+                out.extend(os.path.join(cwd, d or ".") for d in value.split(os.pathsep))
+        return out
+
+    system = [*given("-isystem"), *from_env(*_INCLUDE_ENV[1:]), *(os.path.join(cwd, d) for d in system_dirs),
+              *given("-idirafter")]
+    system_real = {_real(d) for d in system}
+    # GCC drops a non-system dir that is also a system dir: it is searched at its system place only.
+    user = [d for d in [*given("-I"), *from_env("CPATH")] if _real(d) not in system_real]
+    quote = [d for d in given("-iquote") if _real(d) not in system_real]
+    return SearchPath(tuple(dict.fromkeys(quote)), tuple(dict.fromkeys(user + system)))
 
 
 def _forms(path: str) -> set[str]:
     return {path, os.path.normpath(path), os.path.realpath(path)}
-
-
-def _rels(path: str, dirs: list[tuple[str, set[str]]]) -> set[str]:
-    """Every name under which `path` is reachable from one of `dirs`."""
-    out = set()
-    path_forms = _forms(path)
-    for _, forms in dirs:
-        for d in forms:
-            prefix = d.rstrip("/") + "/"
-            for p in path_forms:
-                if p.startswith(prefix):
-                    out.add(p[len(prefix):])
-    return out
 
 
 def state(path: str) -> str:
@@ -114,40 +132,63 @@ def _first_missing(path: str) -> str:
     return path
 
 
-def snapshot(c: Compile, cwd: str, files: list[tuple[str, Directives]], chain: list[str],
+class _Recorder:
+    def __init__(self, inputs: set[str]) -> None:
+        self.inputs = inputs
+        self.out: dict[str, str] = {}
+        self._walked: set[tuple[str, tuple[str, ...], bool]] = set()
+
+    def walk(self, name: str, dirs: tuple[str, ...], whole: bool = False) -> None:
+        """Record the places `dirs`/`name` in order, up to the first file (every one if `whole`)."""
+        if os.path.isabs(name):
+            dirs, name = ("/",), name.lstrip("/")
+        key = (name, dirs, whole)
+        if key in self._walked:
+            return
+        self._walked.add(key)
+        for d in dirs:
+            candidate = os.path.join(d, name)
+            s = state(candidate)
+            if os.path.normpath(candidate) not in self.inputs:  # an input's content check covers it
+                self.out[_first_missing(candidate) if s == ABSENT else candidate] = s
+            if s == FILE and not whole:
+                return
+
+
+def snapshot(c: Compile, cwd: str, files: list[tuple[str, Directives]], search: SearchPath,
              inputs: set[str]) -> dict[str, str]:
-    """{path: state} of every place the search for the headers and probes of this compile could look.
+    """{path: state} of every place the search for the headers and probes of this compile looks.
 
     `files`: (absolute path as the compiler spelled it, its directives) of every file read, the source
-    first. `inputs`: normalized paths of the hashed inputs (their content check already covers them)."""
-    chain_forms = [(d, _forms(d)) for d in chain]
-    names: set[str] = set()
-    for path, _ in files[1:]:
-        names |= _rels(path, chain_forms)
-    for _, directives in files:
-        names.update(n.decode("utf-8", "surrogateescape") for n in directives.quoted + directives.angled)
-    names.update(n for n in c.forced_includes if not os.path.isabs(n))
-    candidates: set[str] = set()
-    for name in names:
-        if os.path.isabs(name):
-            candidates.add(name)
-            continue
-        candidates.update(os.path.join(d, name) for d in chain)
-    # -include / -imacros: the working directory is searched first.
-    candidates.update(os.path.join(cwd, n) for n in c.forced_includes if not os.path.isabs(n))
+    first. `inputs`: normalized paths of the hashed inputs."""
+    rec = _Recorder(inputs)
+    every = (cwd, *search.quote, *search.bracket)
     for path, directives in files:
-        here = os.path.dirname(path)
-        # A file's own directory is searched for the names it quotes; when a macro names a header,
-        # for any name at all.
-        own = names if directives.computed else {n.decode("utf-8", "surrogateescape") for n in directives.quoted}
-        candidates.update(os.path.join(here, n) for n in own if not os.path.isabs(n))
-    out: dict[str, str] = {}
-    for candidate in candidates:
-        if os.path.normpath(candidate) in inputs:
-            continue
-        s = state(candidate)
-        out[_first_missing(candidate) if s == ABSENT else candidate] = s
-    return out
+        quote_chain = (os.path.dirname(path), *search.quote, *search.bracket)
+        for raw in directives.quoted:
+            rec.walk(raw.decode("utf-8", "surrogateescape"), quote_chain)
+        for raw in directives.angled:
+            rec.walk(raw.decode("utf-8", "surrogateescape"), search.bracket)
+        for raw in directives.following:
+            rec.walk(raw.decode("utf-8", "surrogateescape"), (os.path.dirname(path), *every), whole=True)
+    for name in c.forced_includes:
+        rec.walk(name, (cwd, *search.quote, *search.bracket))
+    # Headers a macro may have named (and a net under the name-based walks): every header read,
+    # under every dir of the chain (or an including file's own dir) that holds it.
+    chain = [(d, _forms(d)) for d in (*search.quote, *search.bracket)]
+    computed = [os.path.dirname(p) for p, d in files if d.computed]
+    for path, _ in files[1:]:
+        path_forms = _forms(path)
+        for index, (_, forms) in enumerate(chain):
+            for d in forms:
+                prefix = d.rstrip("/") + "/"
+                for form in path_forms:
+                    if form.startswith(prefix):
+                        rel = form[len(prefix):]
+                        rec.walk(rel, tuple(d for d, _ in chain[: index + 1]))
+                        for here in computed:
+                            rec.walk(rel, (here, *(d for d, _ in chain[: index + 1])))
+    return rec.out
 
 
 def holds(recorded: dict[str, str]) -> bool:

@@ -50,7 +50,7 @@ class FileInfo:
     time_macros: bool
     timestamp_macro: bool
     mtime: float = 0.0  # seconds since the epoch
-    directives: Directives = Directives((), (), False, None)  # what it asks the include search for
+    directives: Directives = Directives((), (), (), False, None)  # what it asks the include search for
 
 
 class FileHasher:

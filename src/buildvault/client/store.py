@@ -154,6 +154,6 @@ class Storer:
         for language in dict.fromkeys((c.language, "c", "c++")):  # g++ compiles a .c file as C++
             system += self.compilers.system_include_dirs(p.compiler_path or c.argv[0], p.compiler_id, c.argv,
                                                          language, env)
-        chain = includes.chain_dirs(c, p.cwd, env, system)
+        search = includes.search_path(c, p.cwd, env, system)
         files = [(r, infos[path].directives) for r, path in zip(raw, paths, strict=True)]
-        return includes.snapshot(c, p.cwd, files, chain, set(paths))
+        return includes.snapshot(c, p.cwd, files, search, set(paths))
