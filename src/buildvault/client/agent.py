@@ -23,6 +23,7 @@ Any remote failure makes the compile local (fail-open) with one warning per outa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -46,7 +47,7 @@ from .keys import FileHasher, Prepared, Uncacheable, parse_platform, prepare
 from .outputs import OutputChanged, discard, move_into_place, private_argv, read_temps, unusable
 from .remote import Remote, RemoteError
 from .roots import Roots, find_cmake_roots, parse_roots
-from .store import Storer, StoreJob
+from .store import StoreJob, Storer
 from .toolchain import CompilerIdentity
 
 RETRY_SECONDS = float(os.environ.get("BUILDVAULT_RETRY_SECONDS", "10"))
@@ -259,10 +260,8 @@ class Agent:
 
 
 def _unlink(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def _log_event(env: dict[str, str], p: Prepared, req: Reply, reply: Reply) -> None:
@@ -372,10 +371,7 @@ def serve(socket_path: str, idle: float) -> int:
                 _unlink(socket_path + ".starting")
                 return 0
             time.sleep(0.05)
-    try:
-        os.unlink(socket_path)
-    except FileNotFoundError:
-        pass
+    _unlink(socket_path)
     tmpdir = os.path.join(os.path.dirname(socket_path), "tmp")
     os.makedirs(tmpdir, exist_ok=True)
     agent = Agent(remote, instance, writer, timeout, tmpdir)

@@ -29,7 +29,8 @@ SOURCE_LANGUAGES = {
 }
 # -x values we cache (the language decides what the compiler reads, nothing else).
 CACHEABLE_LANGUAGES = frozenset(
-    {"c", "c++", "c-header", "c++-header", "assembler-with-cpp", "cpp-output", "c++-cpp-output", "objective-c", "objective-c++"}
+    {"c", "c++", "c-header", "c++-header", "assembler-with-cpp", "cpp-output", "c++-cpp-output", "objective-c",
+     "objective-c++"}
 )
 
 # Flags whose value is the next argument (when not attached).
@@ -65,8 +66,8 @@ _NATIVE = ("-march=native", "-mtune=native", "-mcpu=native")
 _ALLOWED_PREFIXES = (
     "-D", "-U", "-I", "-W", "-f", "-m", "-O", "-g", "-std=", "-iquote", "-isystem", "-idirafter", "-include",
     "-imacros", "-isysroot", "--sysroot", "-iprefix", "-iwithprefix", "-pedantic", "--param", "-target", "--target=",
-    "-no-canonical-prefixes", "-nostdinc", "-nostdlib", "-nodefaultlibs", "-static", "-L", "-l", "-Xassembler", "-Xlinker",
-    "-T", "-u", "-z", "-e", "-F", "-arch", "-A", "-x", "-o", "-MF", "-MT", "-MQ",
+    "-no-canonical-prefixes", "-nostdinc", "-nostdlib", "-nodefaultlibs", "-static", "-L", "-l", "-Xassembler",
+    "-Xlinker", "-T", "-u", "-z", "-e", "-F", "-arch", "-A", "-x", "-o", "-MF", "-MT", "-MQ",
 )
 _ALLOWED_EXACT = frozenset(
     {
@@ -146,7 +147,7 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
     i = 0
     while i < len(args):
         arg = args[i]
-        value = None
+        value = ""
         if arg.startswith("@"):
             return Bypass("response-file")
         if arg == "-":
@@ -167,7 +168,8 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
             i += 1
             continue
         if arg in ("-E", "-S", "-M", "-MM", "-fsyntax-only"):
-            return Bypass({"-E": "preprocess-only", "-S": "assembly-output", "-fsyntax-only": "syntax-only"}.get(arg, "deps-only"))
+            names = {"-E": "preprocess-only", "-S": "assembly-output", "-fsyntax-only": "syntax-only"}
+            return Bypass(names.get(arg, "deps-only"))
         if arg == "-MMD":
             return Bypass("mmd-not-supported")
         if arg.startswith(_BYPASS_PREFIXES):

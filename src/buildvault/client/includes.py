@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -119,7 +120,7 @@ def state(path: str) -> str:
         st = os.stat(path)
     except OSError:
         return OTHER if os.path.lexists(path) else ABSENT
-    return FILE if os.path.stat.S_ISREG(st.st_mode) else OTHER
+    return FILE if stat.S_ISREG(st.st_mode) else OTHER
 
 
 def _first_missing(path: str) -> str:

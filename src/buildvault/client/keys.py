@@ -17,6 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from google.protobuf.message import Message
+
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
@@ -35,7 +37,7 @@ class Uncacheable(Exception):
     """This compile cannot be cached (reason in the message)."""
 
 
-def serialize(message) -> bytes:
+def serialize(message: Message) -> bytes:
     return message.SerializeToString(deterministic=True)
 
 
@@ -57,11 +59,11 @@ class FileHasher:
     """Content digests cached by (path, roots) and validated by inode/size/mtime/ctime."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple, tuple[tuple, FileInfo]] = {}
+        self._cache: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[tuple[int, ...], FileInfo]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    def _signature(st: os.stat_result) -> tuple:
+    def _signature(st: os.stat_result) -> tuple[int, ...]:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
 
     def info(self, path: str, roots: Roots) -> FileInfo:
@@ -159,7 +161,8 @@ def _norm_path_value(value: str, cwd: str, cwd_root: str | None, roots: Roots, r
     return roots.path_token(absolute)
 
 
-_ATTACHED_PATH_FLAGS = ("--sysroot=", "-include", "-imacros", "-isysroot", "-isystem", "-idirafter", "-iquote", "-MF", "-I", "-o")
+_ATTACHED_PATH_FLAGS = ("--sysroot=", "-include", "-imacros", "-isysroot", "-isystem", "-idirafter", "-iquote", "-MF",
+                        "-I", "-o")
 
 
 def normalize_argv(argv: list[str], cwd: str, roots: Roots, rewritten: list[str]) -> list[str]:
@@ -231,7 +234,8 @@ EXACT = Roots([])
 class ActionKey:
     """The serialized Action, Command and input-root Directory messages of one key."""
 
-    def __init__(self, action_digest: Digest, blobs: dict[Digest, bytes], command: re_pb2.Command, output_rel: list[str]):
+    def __init__(self, action_digest: Digest, blobs: dict[Digest, bytes], command: re_pb2.Command,
+                 output_rel: list[str]) -> None:
         self.digest = action_digest
         self.blobs = blobs  # Action, Command, Directory messages by digest
         self.command = command

@@ -10,6 +10,7 @@ untouched. A hit writes only over a regular file or nothing. Stdlib only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -109,10 +110,8 @@ def move_into_place(temps: dict[str, str]) -> None:
 
 def discard(temps: dict[str, str]) -> None:
     for tmp in temps.values():
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
 
 
 def write_output(path: str, data: bytes, executable: bool, token: str) -> None:

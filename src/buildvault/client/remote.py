@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -65,9 +65,9 @@ class Remote:
             ("grpc.enable_http_proxy", 0),
         ]
         self.channel = grpc.insecure_channel(self.target, options=options)
-        self.ac = re_grpc.ActionCacheStub(self.channel)
-        self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
-        self.bs = bs_grpc.ByteStreamStub(self.channel)
+        self.ac = re_grpc.ActionCacheStub(self.channel)  # type: ignore[no-untyped-call]
+        self.cas = re_grpc.ContentAddressableStorageStub(self.channel)  # type: ignore[no-untyped-call]
+        self.bs = bs_grpc.ByteStreamStub(self.channel)  # type: ignore[no-untyped-call]
         self.present: dict[Digest, float] = {}  # blob -> when the server last had it
 
     def close(self) -> None:
@@ -84,7 +84,8 @@ class Remote:
             inline_output_files=list(inline_files),
         )
         try:
-            return self.ac.GetActionResult(request, timeout=self.timeout)
+            result: re_pb2.ActionResult = self.ac.GetActionResult(request, timeout=self.timeout)
+            return result
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -97,7 +98,8 @@ class Remote:
         """Several UpdateActionResult calls in flight at once."""
         futures = [
             self.ac.UpdateActionResult.future(
-                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d), action_result=r),
+                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d),
+                                                 action_result=r),
                 timeout=self.upload_timeout,
             )
             for d, r in updates
@@ -120,7 +122,8 @@ class Remote:
         missing: set[Digest] = set()
         for start in range(0, len(unique), 5000):
             part = unique[start:start + 5000]
-            request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance, blob_digests=[to_proto(d) for d in part])
+            request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance,
+                                                     blob_digests=[to_proto(d) for d in part])
             try:
                 response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout)
             except grpc.RpcError as e:
@@ -171,7 +174,7 @@ class Remote:
         prefix = f"{self.instance}/" if self.instance else ""
         name = f"{prefix}uploads/{uuid.uuid4()}/blobs/{digest.hash}/{digest.size_bytes}"
 
-        def chunks():
+        def chunks() -> Iterator[bs_pb2.WriteRequest]:
             offset = 0
             while True:
                 piece = data[offset:offset + CHUNK]
@@ -237,7 +240,8 @@ class Remote:
         prefix = f"{self.instance}/" if self.instance else ""
         name = f"{prefix}blobs/{digest.hash}/{digest.size_bytes}"
         try:
-            parts = [r.data for r in self.bs.Read(bs_pb2.ReadRequest(resource_name=name), timeout=max(self.timeout, 30.0))]
+            reads = self.bs.Read(bs_pb2.ReadRequest(resource_name=name), timeout=max(self.timeout, 30.0))
+            parts = [r.data for r in reads]
         except grpc.RpcError as e:
             raise RemoteError(f"ByteStream.Read: {e.code().name}: {e.details()}") from None
         return b"".join(parts)

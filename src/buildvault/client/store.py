@@ -98,7 +98,7 @@ class Storer:
         blobs: dict[Digest, bytes | str] = dict(key.blobs)  # str: a file to read when it must go up
         for path in paths:
             blobs.setdefault(inputs[roots.layout(path)][0], path)
-        out_files = []
+        out_files: list[re_pb2.OutputFile] = []
         for path, kind, data in job.outputs:
             if kind == "dep":
                 data = roots.normalize_bytes(data)
@@ -132,8 +132,9 @@ class Storer:
         meta = re_pb2.ExecutedActionMetadata(worker=f"buildvault-cc@{socket.gethostname()}")
         meta.execution_start_timestamp.FromNanoseconds(int((end - job.seconds) * 1e9))
         meta.execution_completed_timestamp.FromNanoseconds(int(end * 1e9))
+        out_files.sort(key=lambda f: f.path)
         result = re_pb2.ActionResult(
-            output_files=sorted(out_files, key=lambda f: f.path),
+            output_files=out_files,
             exit_code=0,
             stdout_digest=to_proto(stdout_d),
             stderr_digest=to_proto(stderr_d),
