@@ -205,7 +205,7 @@ def main() -> int:
             results[mode]["server_cpu"] = round(statistics.median(s[3] for s in samples[mode]), 3)
     results["events"] = events
     def ratio(mode: str, base: str, field: str, digits: int) -> float:
-        return round(results[mode][field] / results[base][field], digits)
+        return round(float(results[mode][field]) / float(results[base][field]), digits)
 
     ratios = {
         "warm / ccache warm (total)": ratio("buildvault warm", "ccache warm", "total", 2),
