@@ -218,3 +218,21 @@ def test_search_list_of_gcc_minus_v() -> None:
 def test_flags_that_change_the_compilers_own_dirs() -> None:
     argv = ["g++", "-O2", "-m32", "-Iinc", "--sysroot", "/sr", "-nostdinc++", "-DX", "-c", "a.cc"]
     assert system_dir_flags(argv) == ("-m32", "--sysroot", "/sr", "-nostdinc++")
+
+
+def test_absence_cache_trusts_an_unchanged_directory_only(tmp_path: Path) -> None:
+    (tmp_path / "inc").mkdir()
+    old = 1_600_000_000
+    os.utime(tmp_path / "inc", (old, old))  # not racy: its mtime is long past
+    recorded = {f"{tmp_path}/inc/h.h": includes.ABSENT, f"{tmp_path}/inc/g.h": includes.ABSENT}
+    cache = includes.AbsenceCache()
+    assert cache.holds(recorded) and cache.holds(recorded)
+    (tmp_path / "inc" / "h.h").write_text("#define H 1\n")  # changes the directory's mtime
+    assert not cache.holds(recorded)
+    (tmp_path / "inc" / "h.h").unlink()
+    cache = includes.AbsenceCache()
+    os.utime(tmp_path / "inc", (old, old))
+    assert cache.holds(recorded)
+    (tmp_path / "inc" / "g.h").mkdir()
+    os.utime(tmp_path / "inc", (old, old))  # the mtime set back by hand: the ctime still moved
+    assert not cache.holds(recorded)

@@ -41,6 +41,7 @@ class HitFinder:
         self.manifests: dict[Digest, list[Entry]] = {}
         self.key_memo: dict[tuple[object, ...], ActionKey] = {}
         self.storing: dict[Digest, threading.Event] = {}  # manifest keys with an upload in flight
+        self.absent = includes.AbsenceCache()
 
     def manifest_key(self, p: Prepared) -> ActionKey:
         info = self.hasher.info(p.source_abs, p.roots)
@@ -106,7 +107,7 @@ class HitFinder:
             probes = {roots.from_layout(layout): state for layout, state in entry["probes"]}
         except (OSError, KeyError, ValueError, TypeError):
             return None
-        if not includes.holds(probes):
+        if not self.absent.holds(probes):
             return None  # a header would now be found elsewhere, or a __has_include answers otherwise
         if entry["exact"]:
             inputs = {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -123,14 +124,15 @@ def state(path: str) -> str:
     return FILE if stat.S_ISREG(st.st_mode) else OTHER
 
 
-def _first_missing(path: str) -> str:
-    """The shortest prefix of absent `path` that is itself absent."""
-    parts = path.split("/")
-    for i in range(2, len(parts) + 1):
-        prefix = "/".join(parts[:i])
-        if not os.path.lexists(prefix):
-            return prefix
-    return path
+def _first_missing(path: str, exists: dict[str, bool]) -> str:
+    """The shortest prefix of absent `path` that is itself absent (`exists`: a memo of lexists)."""
+    parent = path.rpartition("/")[0]
+    if not parent:
+        return path
+    known = exists.get(parent)
+    if known is None:
+        known = exists[parent] = os.path.lexists(parent)
+    return path if known else _first_missing(parent, exists)
 
 
 class _Recorder:
@@ -138,6 +140,7 @@ class _Recorder:
         self.inputs = inputs
         self.out: dict[str, str] = {}
         self._walked: set[tuple[str, tuple[str, ...], bool]] = set()
+        self._exists: dict[str, bool] = {}
 
     def walk(self, name: str, dirs: tuple[str, ...], whole: bool = False) -> None:
         """Record the places `dirs`/`name` in order, up to the first file (every one if `whole`)."""
@@ -151,7 +154,7 @@ class _Recorder:
             candidate = os.path.join(d, name)
             s = state(candidate)
             if os.path.normpath(candidate) not in self.inputs:  # an input's content check covers it
-                self.out[_first_missing(candidate) if s == ABSENT else candidate] = s
+                self.out[_first_missing(candidate, self._exists) if s == ABSENT else candidate] = s
             if s == FILE and not whole:
                 return
 
@@ -201,3 +204,45 @@ def holds(recorded: dict[str, str]) -> bool:
         elif state(path) != expected:
             return False
     return True
+
+
+class AbsenceCache:
+    """`holds` with one stat per directory instead of one per absent name.
+
+    A directory whose inode, mtime and ctime are unchanged has had no entry added, removed or renamed,
+    so names found absent in it stay absent. A directory changed within RACY_SECONDS of the check
+    is not trusted (the clock may not have ticked since the change): its names are checked one by one."""
+
+    RACY_SECONDS = 2.0
+
+    def __init__(self) -> None:
+        self._dirs: dict[str, tuple[tuple[int, int, int, int], set[str]]] = {}
+
+    def holds(self, recorded: dict[str, str]) -> bool:
+        by_dir: dict[str, list[str]] = {}
+        for path, expected in recorded.items():
+            if expected == ABSENT:
+                parent, _, name = path.rpartition("/")
+                by_dir.setdefault(parent or "/", []).append(name)
+            elif state(path) != expected:
+                return False
+        now = time.time()
+        for parent, names in by_dir.items():
+            try:
+                st = os.stat(parent)
+                sig = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)  # ctime: utime cannot set it back
+            except OSError:
+                sig = None
+            cached = self._dirs.get(parent)
+            if sig is not None and cached is not None and cached[0] == sig and cached[1].issuperset(names):
+                continue
+            base = "" if parent == "/" else parent
+            if any(os.path.lexists(f"{base}/{name}") for name in names):
+                return False
+            if sig is not None and now - max(sig[2], sig[3]) / 1e9 > self.RACY_SECONDS:
+                known = cached[1] if cached is not None and cached[0] == sig else set()
+                known.update(names)
+                self._dirs[parent] = (sig, known)
+                if len(self._dirs) > 100_000:
+                    self._dirs.clear()
+        return True
