@@ -37,6 +37,9 @@ def _compile(argv: list[str]) -> Compile:
         (["g++", "-iprefix", "/p", "-c", "a.cc"], "flag:-iprefix"),
         (["g++", "-includecfg.h", "-c", "a.cc"], "attached-value:"),
         (["g++", "-ftime-report", "-c", "a.cc"], "flag:-ftime-report"),
+        (["g++", "-I=/inc", "-c", "a.cc"], "include-dir-not-modelled:=/inc"),
+        (["clang++", "-I", "proj.hmap", "-c", "a.cc"], "include-dir-not-modelled:proj.hmap"),
+        (["clang++", "-F/Library/Frameworks", "-c", "a.cc"], "flag:-F"),
     ],
 )
 def test_options_that_read_or_write_unknown_files_are_bypassed(argv: list[str], reason: str) -> None:

@@ -56,6 +56,7 @@ _BYPASS_PREFIXES = (
     "-fdiagnostics-set-output", "-fsanitize-coverage-allowlist", "-fsanitize-coverage-ignorelist",
     "-fsanitize-coverage-whitelist", "-fsanitize-coverage-blacklist", "-fthinlto-index", "-fdeps-", "-fcompare-debug",
     "-ftime-report", "-fmem-report", "-fstats", "-iprefix", "-iwithprefix", "-Wp,", "-flto-compression-level",
+    "-F", "-iframework",  # Clang framework search: not modelled by includes.py
 )
 # Assembler options (-Wa,X or -Xassembler X) known to change nothing but the object; any other one may
 # write a listing or read a file the launcher does not know (-adhln=, @file, -I, --MD): bypass.
@@ -213,15 +214,14 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
             forced.append(value)
         elif arg.startswith(("-include", "-imacros")):
             return Bypass(f"attached-value:{arg}")  # the search for it is only modelled for the separate form
-        elif arg in INCLUDE_DIR_FLAGS:
-            include_dirs.append(value)
-            include_flags.append((arg, value))
-        elif arg.startswith(INCLUDE_DIR_FLAGS) and not arg.startswith(("-include", "-imacros")):
-            for flag in INCLUDE_DIR_FLAGS:
-                if arg.startswith(flag):
-                    include_dirs.append(arg[len(flag):])
-                    include_flags.append((flag, arg[len(flag):]))
-                    break
+        elif arg in INCLUDE_DIR_FLAGS or (arg.startswith(INCLUDE_DIR_FLAGS) and not arg.startswith(("-include",
+                                                                                                     "-imacros"))):
+            flag = arg if arg in INCLUDE_DIR_FLAGS else next(f for f in INCLUDE_DIR_FLAGS if arg.startswith(f))
+            directory = value if arg in INCLUDE_DIR_FLAGS else arg[len(flag):]
+            if directory.startswith(("=", "$SYSROOT")) or directory.endswith(".hmap"):
+                return Bypass(f"include-dir-not-modelled:{directory}")  # sysroot-relative, or a Clang header map
+            include_dirs.append(directory)
+            include_flags.append((flag, directory))
         elif arg.startswith("-g"):
             level = arg[2:]
             if level.startswith("z"):
