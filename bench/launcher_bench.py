@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "bazel_example"
@@ -41,9 +42,10 @@ MODES = ("none", "ccache cold", "ccache warm", "buildvault cold, agent start", "
 
 
 SERVER_PYTHONPATH: str | None = None
+Sample = tuple[float, ...]  # (total, build step, CPU[, server CPU]) seconds
 
 
-def start_server(data: Path) -> tuple[subprocess.Popen, str]:
+def start_server(data: Path) -> tuple[subprocess.Popen[str], str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDVAULT_")}
     if SERVER_PYTHONPATH:
         env["PYTHONPATH"] = SERVER_PYTHONPATH
@@ -52,6 +54,7 @@ def start_server(data: Path) -> tuple[subprocess.Popen, str]:
          "--http-address", "", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
     )
+    assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("buildvault ready:"):
             address = line.split("grpc=")[1].split()[0]
@@ -63,7 +66,7 @@ def generator() -> list[str]:
     return ["-G", "Ninja"] if shutil.which("ninja") else ["-G", "Unix Makefiles"]
 
 
-def build(checkout: Path, env: dict, launcher: str | None, jobs: int) -> tuple[float, float, float]:
+def build(checkout: Path, env: dict[str, str], launcher: str | None, jobs: int) -> tuple[float, float, float]:
     """(total seconds, build-step seconds, CPU seconds of the build's processes) of a from-scratch
     configure + build."""
     build_dir = checkout / "build"
@@ -93,7 +96,7 @@ def process_cpu(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def agent_pid(env: dict) -> int | None:
+def agent_pid(env: dict[str, str]) -> int | None:
     out = subprocess.run([LAUNCHER, "--agent-status"], env=env, capture_output=True, text=True).stdout
     try:
         return int(out.split('"pid":')[1].split("}")[0].split(",")[0])
@@ -101,14 +104,14 @@ def agent_pid(env: dict) -> int | None:
         return None
 
 
-def launcher_env(base: dict, address: str, work: Path, tag: str) -> dict:
+def launcher_env(base: dict[str, str], address: str, work: Path, tag: str) -> dict[str, str]:
     return dict(base, BUILDVAULT_REMOTE=f"grpc://{address}", BUILDVAULT_WRITER="1",
                 BUILDVAULT_AGENT_DIR=tempfile.mkdtemp(prefix="bvcc-", dir="/tmp"),
                 BUILDVAULT_PLATFORM="soc=ascend910b1,cann=8.0.RC3",
                 BUILDVAULT_EVENT_LOG=str(work / f"events-{tag}.jsonl"))
 
 
-def prime(env: dict, work: Path) -> None:
+def prime(env: dict[str, str], work: Path) -> None:
     """Start the agent with one unrelated tiny compile."""
     d = work / "prime"
     d.mkdir(exist_ok=True)
@@ -117,7 +120,8 @@ def prime(env: dict, work: Path) -> None:
     subprocess.run([LAUNCHER, "--flush"], env=env, check=True, capture_output=True)
 
 
-def measured(checkout: Path, env: dict, launcher: str, jobs: int, server) -> tuple:
+def measured(checkout: Path, env: dict[str, str], launcher: str, jobs: int,
+             server: subprocess.Popen[str]) -> Sample:
     """build() plus the CPU the agent spent meanwhile, and the server's CPU apart."""
     server_cpu = process_cpu(server.pid)
     before = agent_pid(env)
@@ -129,13 +133,13 @@ def measured(checkout: Path, env: dict, launcher: str, jobs: int, server) -> tup
     return total, step, cpu + agent_cpu, process_cpu(server.pid) - server_cpu
 
 
-def stop(env: dict, server) -> None:
+def stop(env: dict[str, str], server: subprocess.Popen[str]) -> None:
     subprocess.run([LAUNCHER, "--stop-agent"], env=env, capture_output=True)
     os.killpg(server.pid, signal.SIGTERM)
     server.wait(30)
 
 
-def median(samples: list[tuple]) -> dict:
+def median(samples: list[Sample]) -> dict[str, Any]:
     return {
         "total": round(statistics.median(s[0] for s in samples), 3),
         "best": round(min(s[0] for s in samples), 3),
@@ -159,8 +163,8 @@ def main() -> int:
     checkout = work / "checkout"
     shutil.copytree(EXAMPLE, checkout, ignore=shutil.ignore_patterns("build", "_build", "bazel-*"))
     base = {k: v for k, v in os.environ.items() if not k.startswith(("BUILDVAULT_", "CCACHE_"))}
-    results: dict[str, dict] = {}
-    samples: dict[str, list] = {k: [] for k in MODES}
+    results: dict[str, Any] = {}
+    samples: dict[str, list[Sample]] = {k: [] for k in MODES}
     events = []
     fast = subprocess.run([LAUNCHER, "--install-fast", str(work)], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -200,25 +204,27 @@ def main() -> int:
         if mode.startswith("buildvault"):
             results[mode]["server_cpu"] = round(statistics.median(s[3] for s in samples[mode]), 3)
     results["events"] = events
+    def ratio(mode: str, base: str, field: str, digits: int) -> float:
+        return round(float(results[mode][field]) / float(results[base][field]), digits)
+
     ratios = {
-        "warm / ccache warm (total)": round(results["buildvault warm"]["total"] / results["ccache warm"]["total"], 2),
-        "warm / ccache warm (build step)": round(results["buildvault warm"]["build"] / results["ccache warm"]["build"], 2),
-        "warm -IS / ccache warm (total)": round(results["buildvault warm -IS"]["total"] / results["ccache warm"]["total"], 2),
-        "warm -IS / ccache warm (build step)": round(
-            results["buildvault warm -IS"]["build"] / results["ccache warm"]["build"], 2),
-        "cold / none (total)": round(results["buildvault cold"]["total"] / results["none"]["total"], 3),
-        "cold / none (best total)": round(results["buildvault cold"]["best"] / results["none"]["best"], 3),
-        "warm / ccache warm (best total)": round(results["buildvault warm"]["best"] / results["ccache warm"]["best"], 2),
-        "cold / none (build step)": round(results["buildvault cold"]["build"] / results["none"]["build"], 3),
-        "cold / none (CPU, client side)": round(results["buildvault cold"]["cpu"] / results["none"]["cpu"], 3),
-        "cold incl. agent start / none (total)": round(
-            results["buildvault cold, agent start"]["total"] / results["none"]["total"], 3),
+        "warm / ccache warm (total)": ratio("buildvault warm", "ccache warm", "total", 2),
+        "warm / ccache warm (build step)": ratio("buildvault warm", "ccache warm", "build", 2),
+        "warm -IS / ccache warm (total)": ratio("buildvault warm -IS", "ccache warm", "total", 2),
+        "warm -IS / ccache warm (build step)": ratio("buildvault warm -IS", "ccache warm", "build", 2),
+        "cold / none (total)": ratio("buildvault cold", "none", "total", 3),
+        "cold / none (best total)": ratio("buildvault cold", "none", "best", 3),
+        "warm / ccache warm (best total)": ratio("buildvault warm", "ccache warm", "best", 2),
+        "cold / none (build step)": ratio("buildvault cold", "none", "build", 3),
+        "cold / none (CPU, client side)": ratio("buildvault cold", "none", "cpu", 3),
+        "cold incl. agent start / none (total)": ratio("buildvault cold, agent start", "none", "total", 3),
     }
     results["ratios"] = ratios
     for name in MODES:
         r = results[name]
         server_cpu = f"  (+ server CPU {r['server_cpu']:.2f} s)" if "server_cpu" in r else ""
-        print(f"{name:29s} total {r['total']:6.2f} s (best {r['best']:5.2f})  build step {r['build']:6.2f} s  CPU {r['cpu']:6.2f} s{server_cpu}")
+        print(f"{name:29s} total {r['total']:6.2f} s (best {r['best']:5.2f})  build step {r['build']:6.2f} s  "
+              f"CPU {r['cpu']:6.2f} s{server_cpu}")
     for name, value in ratios.items():
         print(f"{name:34s} {value}")
     if args.json:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,23 +16,24 @@ for extra in (HERE, HERE.parent / "integration", HERE.parent / "e2e"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from launcher_harness import LauncherEnv, Toolchain, make_env, start_server  # noqa: E402,F401
+from launcher_harness import LauncherEnv, Toolchain, make_env, start_server  # noqa: E402
 from required_tools import require_bazel, require_tools  # noqa: E402,F401 - require_bazel: a fixture
+from server_process import ServerProcess  # noqa: E402
 
 
 # A missing tool fails the test (never skips it) and names scripts/install-system-deps.sh.
 @pytest.fixture(scope="session")
-def require_cmake():
+def require_cmake() -> None:
     require_tools("cmake", "g++")
 
 
 @pytest.fixture
-def require_gxx():
+def require_gxx() -> None:
     require_tools("g++")
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
     s = start_server(tmp_path)
     yield s
     try:
@@ -40,10 +43,10 @@ def server(tmp_path):
 
 
 @pytest.fixture
-def env_factory():
+def env_factory() -> Iterator[Callable[..., LauncherEnv]]:
     made: list[LauncherEnv] = []
 
-    def make(server, **kwargs) -> LauncherEnv:
+    def make(server: ServerProcess | None, **kwargs: Any) -> LauncherEnv:
         env = make_env(server, **kwargs)
         made.append(env)
         return env
@@ -55,5 +58,5 @@ def env_factory():
 
 
 @pytest.fixture
-def toolchain(tmp_path) -> Toolchain:
+def toolchain(tmp_path: Path) -> Toolchain:
     return Toolchain(tmp_path / "toolchain")

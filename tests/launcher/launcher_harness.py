@@ -15,9 +15,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "bazel_example"
@@ -205,12 +206,13 @@ def objects(build: Path) -> dict[str, bytes]:
     """Every object and dependency file under a build dir, by relative path."""
     out = {}
     for path in sorted(build.rglob("*")):
-        if path.is_file() and (path.name.endswith(".o") or path.name.endswith(".o.d")) and "CMakeScratch" not in str(path):
+        wanted = path.name.endswith(".o") or path.name.endswith(".o.d")
+        if path.is_file() and wanted and "CMakeScratch" not in str(path):
             out[str(path.relative_to(build))] = path.read_bytes()
     return out
 
 
-def read_events(path: Path) -> list[dict]:
+def read_events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -229,7 +231,7 @@ def start_server(root: Path, name: str = "server") -> ServerProcess:
     return ServerProcess(root / name / "data", name=name, http_address="").start()
 
 
-class LauncherEnv(dict):
+class LauncherEnv(dict[str, str]):
     """The environment of a build through buildvault-cc (one agent per instance of this)."""
 
     def stop(self) -> None:
@@ -239,8 +241,11 @@ class LauncherEnv(dict):
 def make_env(server: ServerProcess | None, remote: str | None = None, writer: bool = True, **extra: str) -> LauncherEnv:
     agent_dir = tempfile.mkdtemp(prefix="bvcc-", dir="/tmp")  # unix socket paths must stay short
     env = LauncherEnv({k: v for k, v in os.environ.items() if not k.startswith("BUILDVAULT_")})
+    if remote is None:
+        assert server is not None, "a server or a remote URL"
+        remote = f"grpc://{server.grpc_address}"
     env.update(
-        BUILDVAULT_REMOTE=remote or f"grpc://{server.grpc_address}",
+        BUILDVAULT_REMOTE=remote,
         BUILDVAULT_AGENT_DIR=agent_dir,
         BUILDVAULT_AGENT_IDLE="300",
         BUILDVAULT_PLATFORM="soc=ascend910b1,cann=8.0.RC3",

@@ -7,9 +7,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from bazel_harness import BazelWorkspace  # tests/e2e (on sys.path through conftest.py)
+from bazel_harness import BazelWorkspace, ProcessSummary  # tests/e2e (on sys.path through conftest.py)
 from launcher_harness import EXAMPLE, start_server
 
 BINARY = "csrc/op_registry_demo"
@@ -20,8 +22,14 @@ CACHEABLE = 29
 SOC_INDEPENDENT = 4
 
 
+def processes(build: object) -> ProcessSummary:
+    summary = getattr(build, "processes", None)
+    assert isinstance(summary, ProcessSummary), "Bazel printed no process summary"
+    return summary
+
+
 @pytest.fixture
-def workspace(tmp_path, require_bazel):
+def workspace(tmp_path: Path, require_bazel: None) -> Iterator[BazelWorkspace]:
     template = tmp_path / "template"
     shutil.copytree(EXAMPLE, template, ignore=shutil.ignore_patterns("build", "_build", "bazel-*"))
     subprocess.run([sys.executable, str(template / "gen_bazel.py"), str(template)], check=True, capture_output=True)
@@ -30,25 +38,25 @@ def workspace(tmp_path, require_bazel):
     ws.shutdown()
 
 
-def test_generated_bazel_build_is_all_remote_hits_after_clean(workspace, tmp_path):
+def test_generated_bazel_build_is_all_remote_hits_after_clean(workspace: BazelWorkspace, tmp_path: Path) -> None:
     server = start_server(tmp_path)
     try:
         remote = f"grpc://{server.grpc_address}"
         first = workspace.build(remote_cache=remote).check()
-        assert first.processes.executed == CACHEABLE, first.processes.line
+        assert processes(first).executed == CACHEABLE, processes(first).line
         assert workspace.run_binary(BINARY).stdout.strip() == "csrc-demo:ok soc=ascend910b1 total=490"
 
         workspace.clean()
         second = workspace.build(remote_cache=remote).check()
-        assert second.processes.cache_hits == CACHEABLE, second.processes.line
-        assert second.processes.executed == 0
+        assert processes(second).cache_hits == CACHEABLE, processes(second).line
+        assert processes(second).executed == 0
 
         other_soc = workspace.build("--define", "soc=ascend310p1", remote_cache=remote).check()
-        assert 18 <= other_soc.processes.executed <= CACHEABLE - SOC_INDEPENDENT, other_soc.processes.line
+        assert 18 <= processes(other_soc).executed <= CACHEABLE - SOC_INDEPENDENT, processes(other_soc).line
         assert workspace.run_binary(BINARY).stdout.strip() == "csrc-demo:ok soc=ascend310p1 total=490"
         workspace.clean()
         again = workspace.build("--define", "soc=ascend310p1", remote_cache=remote).check()
-        assert again.processes.cache_hits == CACHEABLE and again.processes.executed == 0
+        assert processes(again).cache_hits == CACHEABLE and processes(again).executed == 0
     finally:
         server.stop()
         server.kill()

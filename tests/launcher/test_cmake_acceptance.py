@@ -6,25 +6,27 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from launcher_harness import (
-    LauncherEnv,
-    make_env,
-    start_server,
     ALL_COMPILES,
     COMPAT_INCLUDERS,
     SOC_DEPENDENT,
     THIRD_PARTY,
     Build,
+    LauncherEnv,
     Toolchain,
     cmake_build,
     copy_checkout,
+    make_env,
     objects,
     op_compiles,
     read_events,
+    start_server,
 )
 from polling import wait_for
 
@@ -44,12 +46,13 @@ class Fleet:
     def checkout_copy(self, name: str) -> Path:
         return copy_checkout(self.root / name)
 
-    def build(self, checkout: Path, build_dir: str = "build", env=None, **kwargs) -> Build:
+    def build(self, checkout: Path, build_dir: str = "build", env: dict[str, str] | None = None,
+              **kwargs: Any) -> Build:
         return cmake_build(self.toolchain, checkout, checkout / build_dir, env or self.env, **kwargs).check()
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, require_cmake):
+def fleet(tmp_path_factory: pytest.TempPathFactory, require_cmake: None) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("fleet")
     server = start_server(root)
     events = root / "events.jsonl"
@@ -67,10 +70,11 @@ def fleet(tmp_path_factory, require_cmake):
 
 
 def run_demo(build: Build) -> str:
-    return subprocess.run([str(build.build / "op_registry_demo")], capture_output=True, text=True, check=True).stdout.strip()
+    done = subprocess.run([str(build.build / "op_registry_demo")], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
 
-def test_cold_build_runs_every_compile(fleet):
+def test_cold_build_runs_every_compile(fleet: Fleet) -> None:
     assert len(ALL_COMPILES) == 20
     assert sorted(fleet.cold.compiled) == sorted(ALL_COMPILES)
     misses = [e for e in read_events(fleet.events) if e["status"] == "MISS"]
@@ -78,7 +82,7 @@ def test_cold_build_runs_every_compile(fleet):
     assert run_demo(fleet.cold) == EXPECTED_OUTPUT
 
 
-def test_warm_rebuild_after_deleting_build_dir_runs_nothing(fleet):
+def test_warm_rebuild_after_deleting_build_dir_runs_nothing(fleet: Fleet) -> None:
     fleet.events.write_text("")
     warm = fleet.build(fleet.checkout)  # build dir deleted first
     assert warm.compiled == []
@@ -88,25 +92,25 @@ def test_warm_rebuild_after_deleting_build_dir_runs_nothing(fleet):
     assert run_demo(warm) == EXPECTED_OUTPUT
 
 
-def test_another_machine_fresh_agent_runs_nothing(fleet, env_factory):
+def test_another_machine_fresh_agent_runs_nothing(fleet: Fleet, env_factory: Callable[..., LauncherEnv]) -> None:
     """A fresh agent (no local manifests or hashes): everything comes from the server."""
     env = env_factory(fleet.server)
     warm = fleet.build(fleet.checkout_copy("machine-b/checkout"), env=env)
     assert warm.compiled == []
 
 
-def test_same_tree_at_another_checkout_path_runs_nothing(fleet):
+def test_same_tree_at_another_checkout_path_runs_nothing(fleet: Fleet) -> None:
     moved = fleet.checkout_copy("elsewhere/much/deeper/checkout-b")
     assert fleet.build(moved).compiled == []
 
 
-def test_build_dir_at_another_depth_runs_nothing(fleet):
+def test_build_dir_at_another_depth_runs_nothing(fleet: Fleet) -> None:
     checkout = fleet.checkout_copy("checkout-depth")
     assert fleet.build(checkout, "_build/x86_64-release").compiled == []
     assert fleet.build(checkout, "build").compiled == []
 
 
-def test_tiling_header_edit_runs_only_that_operators_compiles(fleet):
+def test_tiling_header_edit_runs_only_that_operators_compiles(fleet: Fleet) -> None:
     checkout = fleet.checkout_copy("checkout-tiling")
     header = checkout / "csrc/ops/attention/flash_attention/op_host/flash_attention_tiling.h"
     header.write_text(header.read_text().replace("int64_t stages = 2;", "int64_t stages = 5;"))
@@ -119,7 +123,7 @@ def test_tiling_header_edit_runs_only_that_operators_compiles(fleet):
     assert fleet.build(again).compiled == []
 
 
-def test_force_included_header_edit_runs_exactly_its_includers(fleet):
+def test_force_included_header_edit_runs_exactly_its_includers(fleet: Fleet) -> None:
     checkout = fleet.checkout_copy("checkout-compat")
     header = checkout / "csrc/common/include/cann_compat.h"
     header.write_text(header.read_text().replace("#define CANN_COMPAT_LEVEL 3", "#define CANN_COMPAT_LEVEL 4"))
@@ -128,7 +132,7 @@ def test_force_included_header_edit_runs_exactly_its_includers(fleet):
     assert len(build.compiled) == 6
 
 
-def test_soc_change_runs_every_soc_dependent_compile_but_not_third_party(fleet):
+def test_soc_change_runs_every_soc_dependent_compile_but_not_third_party(fleet: Fleet) -> None:
     checkout = fleet.checkout_copy("checkout-soc")
     env = LauncherEnv(fleet.env)
     env["BUILDVAULT_PLATFORM"] = "soc=ascend310p1,cann=8.0.RC3"
@@ -138,7 +142,7 @@ def test_soc_change_runs_every_soc_dependent_compile_but_not_third_party(fleet):
     assert len(build.compiled) == 18
 
 
-def test_compiler_replaced_by_another_version_runs_every_compile(fleet):
+def test_compiler_replaced_by_another_version_runs_every_compile(fleet: Fleet) -> None:
     checkout = fleet.checkout_copy("checkout-compiler")
     fleet.toolchain.install("v2")
     try:
@@ -149,7 +153,7 @@ def test_compiler_replaced_by_another_version_runs_every_compile(fleet):
     assert fleet.build(checkout).compiled == []  # v1 again: all hits
 
 
-def test_editing_or_adding_a_file_nobody_includes_runs_nothing(fleet):
+def test_editing_or_adding_a_file_nobody_includes_runs_nothing(fleet: Fleet) -> None:
     checkout = fleet.checkout_copy("checkout-unused")
     (checkout / "csrc/common/include/legacy_unused.h").write_text("#pragma once\n#define LEGACY_TILE 128\n")
     (checkout / "csrc/common/include/brand_new_unused.h").write_text("#pragma once\n")
@@ -157,7 +161,7 @@ def test_editing_or_adding_a_file_nobody_includes_runs_nothing(fleet):
     assert fleet.build(checkout).compiled == []
 
 
-def test_new_header_shadowing_an_included_one_recompiles_its_includers(fleet):
+def test_new_header_shadowing_an_included_one_recompiles_its_includers(fleet: Fleet) -> None:
     """A new file earlier on the include path changes what the compiler reads: no stale hit."""
     checkout = fleet.checkout_copy("checkout-shadow")
     original = (checkout / "csrc/common/include/op_common.h").read_text()
@@ -170,7 +174,7 @@ def test_new_header_shadowing_an_included_one_recompiles_its_includers(fleet):
     }
 
 
-def test_every_hit_is_byte_identical_to_a_fresh_compile(fleet):
+def test_every_hit_is_byte_identical_to_a_fresh_compile(fleet: Fleet) -> None:
     checkout = fleet.checkout_copy("checkout-identical")
     hits = fleet.build(checkout)
     assert hits.compiled == []
@@ -185,7 +189,8 @@ def test_every_hit_is_byte_identical_to_a_fresh_compile(fleet):
     assert stale == [], f"{len(stale)} stale hits: {stale}"
 
 
-def test_server_stopped_mid_build_still_builds(tmp_path, require_cmake, env_factory):
+def test_server_stopped_mid_build_still_builds(tmp_path: Path, require_cmake: None,
+                                               env_factory: Callable[..., LauncherEnv]) -> None:
     server = start_server(tmp_path)
     events = tmp_path / "events.jsonl"
     env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 from buildvault.client.compile_args import Bypass, Compile, classify, parse_depfile
-from buildvault.client.keys import EXACT, FileHasher, action_key, parse_platform, prepare
+from buildvault.client.keys import EXACT, ActionKey, FileHasher, Prepared, action_key, parse_platform, prepare
 from buildvault.client.roots import Roots, parse_roots
 from buildvault.client.summary import summarize
 from buildvault.digest import Digest
@@ -18,22 +19,24 @@ from buildvault.remote_apis import re_pb2
 # -- classification -------------------------------------------------------------------------------
 
 
-def test_plain_compile_is_cacheable():
+def test_plain_compile_is_cacheable() -> None:
     c = classify(["g++", "-O2", "-Iinc", "-DX=1", "-c", "a.cc", "-o", "out/a.o"])
     assert isinstance(c, Compile)
     assert (c.source, c.output, c.depfile, c.language) == ("a.cc", "out/a.o", None, "c++")
     assert c.include_dirs == ["inc"]
 
 
-def test_cmake_style_depfile_and_force_include():
+def test_cmake_style_depfile_and_force_include() -> None:
     argv = ["c++", "-DSOC=ascend910b1", "-I/ck/inc", "-O3", "-include", "/ck/compat.h", "-MD", "-MT", "x.o",
             "-MF", "x.o.d", "-o", "x.o", "-c", "/ck/x.cc"]
     c = classify(argv)
     assert isinstance(c, Compile)
     assert c.depfile == "x.o.d" and c.forced_includes == ["/ck/compat.h"] and c.include_dirs == ["/ck/inc"]
     c = classify(["gcc", "-MD", "-c", "a.c", "-o", "obj/a.o"])
+    assert isinstance(c, Compile)
     assert c.depfile == "obj/a.d"
     c = classify(["gcc", "-c", "a.c"])
+    assert isinstance(c, Compile)
     assert c.output == "a.o"
 
 
@@ -59,27 +62,28 @@ def test_cmake_style_depfile_and_force_include():
         (["g++", "-c", "a.s"], "not-a-cacheable-source"),
     ],
 )
-def test_unsupported_lines_are_bypassed(argv, reason):
+def test_unsupported_lines_are_bypassed(argv: list[str], reason: str) -> None:
     result = classify(argv)
     assert isinstance(result, Bypass)
     assert result.reason.startswith(reason)
 
 
-def test_side_output_environment_is_bypassed_and_extra_safe_flags_are_allowed():
+def test_side_output_environment_is_bypassed_and_extra_safe_flags_are_allowed() -> None:
     assert isinstance(classify(["g++", "-c", "a.cc"], {"DEPENDENCIES_OUTPUT": "x.d"}), Bypass)
     assert isinstance(classify(["ccec", "--cce-aicore-arch=dav-c220", "-c", "k.cc"]), Bypass)
     assert isinstance(classify(["ccec", "--cce-aicore-arch=dav-c220", "-c", "k.cc"], {}, ("--cce-",)), Compile)
 
 
-def test_parse_depfile_handles_continuations_escapes_and_phony_targets():
-    text = "obj/a.o: /ck/a.cc /ck/inc/a\\ b.h \\\n  /usr/include/stdio.h \\\n /ck/x$$y.h\n/ck/inc/a\\ b.h:\n/usr/include/stdio.h:\n"
+def test_parse_depfile_handles_continuations_escapes_and_phony_targets() -> None:
+    text = ("obj/a.o: /ck/a.cc /ck/inc/a\\ b.h \\\n  /usr/include/stdio.h \\\n /ck/x$$y.h\n/ck/inc/a\\ b.h:\n"
+            "/usr/include/stdio.h:\n")
     assert parse_depfile(text) == ["/ck/a.cc", "/ck/inc/a b.h", "/usr/include/stdio.h", "/ck/x$y.h"]
 
 
 # -- roots ------------------------------------------------------------------------------------------
 
 
-def test_roots_normalize_whole_path_prefixes_only():
+def test_roots_normalize_whole_path_prefixes_only() -> None:
     roots = Roots([("SRC", "/ck"), ("BUILD", "/ck/build")])
     assert roots.normalize("-DROOT=/ck/inc") == "-DROOT=@SRC_ROOT@/inc"
     assert roots.normalize("/ck/build/gen/x.cc") == "@BUILD_ROOT@/gen/x.cc"  # innermost root wins
@@ -92,7 +96,7 @@ def test_roots_normalize_whole_path_prefixes_only():
     assert roots.from_layout("_abs/usr/include/stdio.h") == "/usr/include/stdio.h"
 
 
-def test_parse_roots():
+def test_parse_roots() -> None:
     assert parse_roots("SRC=/a,build=/a/b") == [("SRC", "/a"), ("BUILD", "/a/b")]
     assert parse_roots("/a:/b") == [("R0", "/a"), ("R1", "/b")]
 
@@ -105,8 +109,9 @@ def _argv(ck: str, build: str, *extra: str) -> list[str]:
             "-MD", "-MT", "a.o", "-MF", "a.o.d", "-o", "a.o", "-c", f"{ck}/a.cc"]
 
 
-def _key(ck="/ck1", build=None, argv=None, env=None, compiler="c1", platform="soc=ascend910b1,cann=8.0.RC3",
-         inputs=None, exact=False):
+def _key(ck: str = "/ck1", build: str | None = None, argv: list[str] | None = None, env: dict[str, str] | None = None,
+         compiler: str = "c1", platform: str = "soc=ascend910b1,cann=8.0.RC3",
+         inputs: dict[str, tuple[Digest, bool]] | None = None, exact: bool = False) -> tuple[Prepared, ActionKey]:
     build = build or f"{ck}/build"
     argv = argv or _argv(ck, build)
     c = classify(argv, env or {})
@@ -122,12 +127,12 @@ def _key(ck="/ck1", build=None, argv=None, env=None, compiler="c1", platform="so
     return p, action_key(p, inputs, exact=exact)
 
 
-def _platform_of(key) -> dict[str, str]:
+def _platform_of(key: ActionKey) -> dict[str, str]:
     action = re_pb2.Action.FromString(key.blobs[key.digest])
     return {prop.name: prop.value for prop in action.platform.properties}
 
 
-def test_same_tree_in_another_checkout_and_build_dir_depth_gives_the_same_key():
+def test_same_tree_in_another_checkout_and_build_dir_depth_gives_the_same_key() -> None:
     _, a = _key("/ck1", "/ck1/build")
     _, b = _key("/home/x/elsewhere/ck2", "/home/x/elsewhere/ck2/build")
     _, c = _key("/ck1", "/ck1/_build/x86_64-release")
@@ -136,7 +141,7 @@ def test_same_tree_in_another_checkout_and_build_dir_depth_gives_the_same_key():
     assert a.command.working_directory == "BUILD"
 
 
-def test_every_input_reaching_the_compiler_changes_the_key():
+def test_every_input_reaching_the_compiler_changes_the_key() -> None:
     p, base = _key()
     variants = [
         _key(argv=_argv("/ck1", "/ck1/build", "-DEXTRA"))[1],  # a flag
@@ -151,7 +156,7 @@ def test_every_input_reaching_the_compiler_changes_the_key():
     assert len(digests) == len(variants) + 1
 
 
-def test_nothing_else_changes_the_key():
+def test_nothing_else_changes_the_key() -> None:
     _, base = _key()
     assert _key(env={"HOME": "/x", "MAKEFLAGS": "-j9", "SHIM_LOG": "/tmp/l"})[1].digest == base.digest
     # A platform property the compile does not mention (third-party code knows no SOC) stays out.
@@ -162,7 +167,7 @@ def test_nothing_else_changes_the_key():
     assert "soc" not in _platform_of(tp1)
 
 
-def test_platform_properties():
+def test_platform_properties() -> None:
     _, key = _key()
     props = _platform_of(key)
     assert props["soc"] == "ascend910b1" and props["compiler"] == "c1"
@@ -175,20 +180,22 @@ def test_platform_properties():
     assert _platform_of(soc2)["soc"] == "ascend310p1"
 
 
-def test_relative_paths_leaving_the_working_root_are_rewritten_and_remembered():
+def test_relative_paths_leaving_the_working_root_are_rewritten_and_remembered() -> None:
     argv = ["c++", "-I../inc", "-Igen", "-c", "../a.cc", "-o", "a.o"]
     c = classify(argv)
+    assert isinstance(c, Compile)
     roots = Roots([("SRC", "/ck"), ("BUILD", "/ck/build")])
     p = prepare(c, "/ck/build", {}, roots, "c", [])
     assert p.argv_norm == ["c++", "-I@SRC_ROOT@/inc", "-Igen", "-c", "@SRC_ROOT@/a.cc", "-o", "a.o"]
     assert set(p.rewritten) == {"../inc", "../a.cc"}
 
 
-def test_action_is_a_real_reapi_action():
+def test_action_is_a_real_reapi_action() -> None:
     _, key = _key()
     action = re_pb2.Action.FromString(key.blobs[key.digest])
     command = re_pb2.Command.FromString(key.blobs[Digest(action.command_digest.hash, action.command_digest.size_bytes)])
-    root = re_pb2.Directory.FromString(key.blobs[Digest(action.input_root_digest.hash, action.input_root_digest.size_bytes)])
+    root_digest = Digest(action.input_root_digest.hash, action.input_root_digest.size_bytes)
+    root = re_pb2.Directory.FromString(key.blobs[root_digest])
     assert [d.name for d in root.directories] == ["SRC", "_abs"]
     assert list(command.output_paths) == ["a.o", "a.o.d"]
     assert command.arguments[0] == "/usr/bin/c++"
@@ -197,12 +204,12 @@ def test_action_is_a_real_reapi_action():
 # -- file hashing -----------------------------------------------------------------------------------
 
 
-def _old(path):
+def _old(path: Path) -> None:
     past = time.time() - 60
     os.utime(path, (past, past))
 
 
-def test_text_inputs_are_normalized_binary_and_outside_inputs_are_exact(tmp_path):
+def test_text_inputs_are_normalized_binary_and_outside_inputs_are_exact(tmp_path: Path) -> None:
     hasher = FileHasher()
     infos = {}
     for name in ("ck1", "ck2"):
@@ -218,7 +225,7 @@ def test_text_inputs_are_normalized_binary_and_outside_inputs_are_exact(tmp_path
     assert infos["ck1"][2].digest != infos["ck2"][2].digest  # outside every root: byte-exact
 
 
-def test_hash_cache_notices_edits(tmp_path):
+def test_hash_cache_notices_edits(tmp_path: Path) -> None:
     hasher = FileHasher()
     f = tmp_path / "a.h"
     f.write_text("#define A 1\n")
@@ -230,14 +237,14 @@ def test_hash_cache_notices_edits(tmp_path):
     assert hasher.info(str(f), EXACT).digest != first.digest
 
 
-def test_time_macros_are_detected(tmp_path):
+def test_time_macros_are_detected(tmp_path: Path) -> None:
     f = tmp_path / "t.cc"
     f.write_text('const char* built = __DATE__ " " __TIME__;\n')
     info = FileHasher().info(str(f), EXACT)
     assert info.time_macros and not info.timestamp_macro
 
 
-def test_summary_counts():
+def test_summary_counts() -> None:
     lines = [
         '{"status":"HIT","reason":"hit","outputs":2,"seconds":0.01,"saved":0.5}',
         '{"status":"HIT","reason":"hit","outputs":2,"seconds":0.01,"saved":0.25}',

@@ -3,21 +3,25 @@ outputs, diagnostics replay, read-only mode, bypasses, fail-open, the summary co
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from launcher_harness import flush, launcher_command, make_env, read_events
+from launcher_harness import LauncherEnv, Toolchain, flush, launcher_command, make_env, read_events
+from server_process import ServerProcess
 
 
 class Tree:
     """A checkout with a source and a header, and its build dir; compiles through the shim."""
 
-    def __init__(self, root: Path, toolchain, env, source: str, header: str = "#define V 1\n"):
+    def __init__(self, root: Path, toolchain: Toolchain, env: dict[str, str], source: str,
+                 header: str = "#define V 1\n") -> None:
         self.root = root
         self.build = root / "build"
         self.build.mkdir(parents=True, exist_ok=True)
@@ -29,7 +33,7 @@ class Tree:
         self.env["BUILDVAULT_ROOTS"] = f"SRC={root},BUILD={self.build}"
         self.env["SHIM_LOG"] = str(toolchain.log)
 
-    def compile(self, *flags: str, launcher: bool = True, output: str = "a.o") -> subprocess.CompletedProcess:
+    def compile(self, *flags: str, launcher: bool = True, output: str = "a.o") -> subprocess.CompletedProcess[str]:
         argv = [self.toolchain.cxx, *flags, f"-I{self.root}/inc", "-MD", "-MF", output + ".d", "-o", output,
                 "-c", str(self.root / "a.cc")]
         if launcher:
@@ -43,12 +47,13 @@ class Tree:
         return (self.build / name).read_bytes()
 
 
-def real_compiles(toolchain) -> int:
+def real_compiles(toolchain: Toolchain) -> int:
     return len(toolchain.take())
 
 
 @pytest.fixture
-def live(server, env_factory, tmp_path, toolchain, require_gxx):
+def live(server: ServerProcess, env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain,
+         require_gxx: None) -> tuple[LauncherEnv, Path]:
     events = tmp_path / "events.jsonl"
     env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))
     return env, events
@@ -57,7 +62,8 @@ def live(server, env_factory, tmp_path, toolchain, require_gxx):
 SIMPLE = '#include "v.h"\n#include <vector>\nint f() { std::vector<int> v(V); return (int)v.size(); }\n'
 
 
-def test_hit_replays_diagnostics_with_this_checkouts_paths(live, tmp_path, toolchain):
+def test_hit_replays_diagnostics_with_this_checkouts_paths(live: tuple[LauncherEnv, Path], tmp_path: Path,
+                                                           toolchain: Toolchain) -> None:
     env, events = live
     source = '#include "v.h"\n#warning "check tiling"\nint f() { return V; }\n'
     a = Tree(tmp_path / "a", toolchain, env, source)
@@ -84,7 +90,9 @@ def test_hit_replays_diagnostics_with_this_checkouts_paths(live, tmp_path, toolc
     ],
     ids=["debug-info", "__FILE__"],
 )
-def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(live, tmp_path, toolchain, flags, source):
+def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(live: tuple[LauncherEnv, Path], tmp_path: Path,
+                                                                  toolchain: Toolchain, flags: list[str],
+                                                                  source: str) -> None:
     env, events = live
     a = Tree(tmp_path / "a", toolchain, env, source)
     b = Tree(tmp_path / "b", toolchain, env, source)
@@ -105,7 +113,8 @@ def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(live, tmp_path
     assert a.obj() == a.obj("fresh.o")
 
 
-def test_read_only_client_never_stores(server, env_factory, tmp_path, toolchain, require_gxx):
+def test_read_only_client_never_stores(server: ServerProcess, env_factory: Callable[..., LauncherEnv],
+                                       tmp_path: Path, toolchain: Toolchain, require_gxx: None) -> None:
     events = tmp_path / "events.jsonl"
     env = env_factory(server, writer=False, BUILDVAULT_EVENT_LOG=str(events))
     t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
@@ -115,7 +124,8 @@ def test_read_only_client_never_stores(server, env_factory, tmp_path, toolchain,
     assert [(e["status"], e["reason"]) for e in read_events(events)] == [("MISS", "read-only")] * 2
 
 
-def test_unsupported_lines_and_failures_run_the_compiler_untouched(live, tmp_path, toolchain):
+def test_unsupported_lines_and_failures_run_the_compiler_untouched(live: tuple[LauncherEnv, Path], tmp_path: Path,
+                                                                   toolchain: Toolchain) -> None:
     env, events = live
     t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
     pre = subprocess.run([launcher_command(), toolchain.cxx, "-I", str(t.root / "inc"), "-E", str(t.root / "a.cc")],
@@ -133,10 +143,13 @@ def test_unsupported_lines_and_failures_run_the_compiler_untouched(live, tmp_pat
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-def test_unreachable_server_compiles_locally_with_one_warning(env_factory, tmp_path, toolchain, require_gxx):
+def test_unreachable_server_compiles_locally_with_one_warning(env_factory: Callable[..., LauncherEnv],
+                                                              tmp_path: Path, toolchain: Toolchain,
+                                                              require_gxx: None) -> None:
     events = tmp_path / "events.jsonl"
     env = env_factory(None, remote=f"grpc://127.0.0.1:{_closed_port()}", BUILDVAULT_EVENT_LOG=str(events))
     t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
@@ -149,7 +162,8 @@ def test_unreachable_server_compiles_locally_with_one_warning(env_factory, tmp_p
     assert reasons <= {"remote-error", "remote-unavailable", "upload-failed"}, reasons
 
 
-def test_server_that_never_answers_costs_a_bounded_wait(env_factory, tmp_path, toolchain, require_gxx):
+def test_server_that_never_answers_costs_a_bounded_wait(env_factory: Callable[..., LauncherEnv], tmp_path: Path,
+                                                        toolchain: Toolchain, require_gxx: None) -> None:
     """A black-hole server (accepts TCP, never speaks): the timeout bounds the wait, then local."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -157,13 +171,11 @@ def test_server_that_never_answers_costs_a_bounded_wait(env_factory, tmp_path, t
     held = []
     stop = threading.Event()
 
-    def accept():
+    def accept() -> None:
         listener.settimeout(0.2)
         while not stop.is_set():
-            try:
+            with contextlib.suppress(OSError):
                 held.append(listener.accept()[0])
-            except OSError:
-                pass
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
@@ -183,7 +195,7 @@ def test_server_that_never_answers_costs_a_bounded_wait(env_factory, tmp_path, t
         listener.close()
 
 
-def test_no_remote_configured_just_runs_the_compiler(tmp_path, toolchain, require_gxx):
+def test_no_remote_configured_just_runs_the_compiler(tmp_path: Path, toolchain: Toolchain, require_gxx: None) -> None:
     env = make_env(None, remote="unused")
     del env["BUILDVAULT_REMOTE"]
     try:
@@ -195,7 +207,7 @@ def test_no_remote_configured_just_runs_the_compiler(tmp_path, toolchain, requir
         shutil.rmtree(env["BUILDVAULT_AGENT_DIR"], ignore_errors=True)
 
 
-def test_summary_command(live, tmp_path, toolchain):
+def test_summary_command(live: tuple[LauncherEnv, Path], tmp_path: Path, toolchain: Toolchain) -> None:
     env, events = live
     t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
     t.compile()
@@ -206,7 +218,9 @@ def test_summary_command(live, tmp_path, toolchain):
     assert "time saved:" in out.stdout
 
 
-def test_outputs_larger_than_a_batch_go_through_bytestream(server, env_factory, tmp_path, toolchain, require_gxx):
+def test_outputs_larger_than_a_batch_go_through_bytestream(server: ServerProcess,
+                                                           env_factory: Callable[..., LauncherEnv], tmp_path: Path,
+                                                           toolchain: Toolchain, require_gxx: None) -> None:
     """Blobs over the batch limit (here 64 KiB) go up with ByteStream.Write, down with ByteStream.Read."""
     env = env_factory(server, BUILDVAULT_BATCH_LIMIT=str(64 * 1024))
     source = '#include "v.h"\nextern const unsigned char big[] = {' + ",".join(
@@ -223,7 +237,8 @@ def test_outputs_larger_than_a_batch_go_through_bytestream(server, env_factory, 
     assert a.obj() == first
 
 
-def test_has_include_probe_sees_a_new_file(live, tmp_path, toolchain):
+def test_has_include_probe_sees_a_new_file(live: tuple[LauncherEnv, Path], tmp_path: Path,
+                                           toolchain: Toolchain) -> None:
     """`__has_include` makes the *existence* of a file an input: creating it must not give a stale hit."""
     env, events = live
     source = ('#if __has_include("feature.h")\n#include "feature.h"\n#else\n#define FEATURE 0\n#endif\n'
@@ -242,7 +257,8 @@ def test_has_include_probe_sees_a_new_file(live, tmp_path, toolchain):
     assert a.obj() == a.obj("fresh.o")
 
 
-def test_read_only_client_hits_what_a_writer_stored(server, env_factory, tmp_path, toolchain, require_gxx):
+def test_read_only_client_hits_what_a_writer_stored(server: ServerProcess, env_factory: Callable[..., LauncherEnv],
+                                                    tmp_path: Path, toolchain: Toolchain, require_gxx: None) -> None:
     writer = env_factory(server)
     events = tmp_path / "reader.jsonl"
     reader = env_factory(server, writer=False, BUILDVAULT_EVENT_LOG=str(events))

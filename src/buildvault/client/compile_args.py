@@ -29,7 +29,8 @@ SOURCE_LANGUAGES = {
 }
 # -x values we cache (the language decides what the compiler reads, nothing else).
 CACHEABLE_LANGUAGES = frozenset(
-    {"c", "c++", "c-header", "c++-header", "assembler-with-cpp", "cpp-output", "c++-cpp-output", "objective-c", "objective-c++"}
+    {"c", "c++", "c-header", "c++-header", "assembler-with-cpp", "cpp-output", "c++-cpp-output", "objective-c",
+     "objective-c++"}
 )
 
 # Flags whose value is the next argument (when not attached).
@@ -51,19 +52,27 @@ _BYPASS_PREFIXES = (
     "-gsplit-dwarf", "-fstack-usage", "-fdump-", "-fcallgraph-info", "-aux-info", "-fplugin", "-B", "-specs",
     "-wrapper", "-###", "-fsanitize-blacklist", "-fsanitize-ignorelist", "-fmodule", "-fmodules", "-Xclang",
     "-Xpreprocessor", "-MJ", "-fcreate-profile", "-fopt-info", "-frecord-gcc-switches", "-fsave-optimization-record",
-    "-ftime-trace", "-fdiagnostics-format=sarif", "-fdiagnostics-add-output",
+    "-ftime-trace", "-fdiagnostics-format=sarif", "-fdiagnostics-format=json-file", "-fdiagnostics-add-output",
+    "-fdiagnostics-set-output", "-fsanitize-coverage-allowlist", "-fsanitize-coverage-ignorelist",
+    "-fsanitize-coverage-whitelist", "-fsanitize-coverage-blacklist", "-fthinlto-index", "-fdeps-", "-fcompare-debug",
+    "-ftime-report", "-fmem-report", "-fstats", "-iprefix", "-iwithprefix", "-Wp,", "-flto-compression-level",
+    "-F", "-iframework",  # Clang framework search: not modelled by includes.py
 )
+# Assembler options (-Wa,X or -Xassembler X) known to change nothing but the object; any other one may
+# write a listing or read a file the launcher does not know (-adhln=, @file, -I, --MD): bypass.
+_SAFE_ASSEMBLER_OPTIONS = ("--noexecstack", "--compress-debug-sections", "--nocompress-debug-sections",
+                           "-mrelax-relocations=", "--generate-missing-build-notes=")
 _NATIVE = ("-march=native", "-mtune=native", "-mcpu=native")
 # Flags known to only change the object file (they are part of the key as text).
 _ALLOWED_PREFIXES = (
     "-D", "-U", "-I", "-W", "-f", "-m", "-O", "-g", "-std=", "-iquote", "-isystem", "-idirafter", "-include",
     "-imacros", "-isysroot", "--sysroot", "-iprefix", "-iwithprefix", "-pedantic", "--param", "-target", "--target=",
-    "-no-canonical-prefixes", "-nostdinc", "-nostdlib", "-nodefaultlibs", "-static", "-L", "-l", "-Xassembler", "-Xlinker",
-    "-T", "-u", "-z", "-e", "-F", "-arch", "-A", "-x", "-o", "-MF", "-MT", "-MQ",
+    "-no-canonical-prefixes", "-nostdinc", "-nostdlib", "-nodefaultlibs", "-static", "-L", "-l", "-Xassembler",
+    "-Xlinker", "-T", "-u", "-z", "-e", "-F", "-arch", "-A", "-x", "-o", "-MF", "-MT", "-MQ",
 )
 _ALLOWED_EXACT = frozenset(
     {
-        "-c", "-pipe", "-pthread", "-w", "-v", "-ansi", "-shared", "-rdynamic", "-MD", "-MP", "-MG", "-H", "-C", "-CC",
+        "-c", "-pipe", "-pthread", "-w", "-ansi", "-shared", "-rdynamic", "-MD", "-MP", "-H", "-C", "-CC",
         "-trigraphs", "-undef", "-p", "-pg", "-s", "-x", "-o", "-MF", "-MT", "-MQ", "-P", "-pie", "-no-pie",
         "-fPIC", "-fpic", "-fPIE", "-fpie", "--version-script",
     }
@@ -71,10 +80,10 @@ _ALLOWED_EXACT = frozenset(
 # Environment that reaches the compiler's output or diagnostics: part of the key.
 ENV_ALLOW = (
     "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "OBJCPLUS_INCLUDE_PATH", "GCC_EXEC_PREFIX",
-    "COMPILER_PATH", "SOURCE_DATE_EPOCH", "LANG", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "GCC_COMPARE_DEBUG",
+    "COMPILER_PATH", "SOURCE_DATE_EPOCH", "LANG", "LC_ALL", "LC_CTYPE", "LC_MESSAGES",
 )
-# Environment that makes the compiler write side files: bypass.
-ENV_BYPASS = ("DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES", "GCC_EXTRA_DIAGNOSTIC_OUTPUT")
+# Environment that makes the compiler write side files or run twice: bypass.
+ENV_BYPASS = ("DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES", "GCC_EXTRA_DIAGNOSTIC_OUTPUT", "GCC_COMPARE_DEBUG")
 
 
 @dataclass
@@ -87,14 +96,20 @@ class Compile:
     output: str  # as given (or the default name)
     depfile: str | None  # user-requested dependency output (as given), or None
     include_dirs: list[str] = field(default_factory=list)  # search order, as given
+    include_flags: list[tuple[str, str]] = field(default_factory=list)  # (-I / -iquote / -isystem / -idirafter, dir)
     forced_includes: list[str] = field(default_factory=list)
     debug_info: bool = False
     compressed_debug: bool = False
+    dep_target_given: bool = False  # -MT/-MQ on the line (else the depfile's target is the -o value)
 
 
 @dataclass
 class Bypass:
     reason: str
+
+
+def _safe_assembler_option(option: str) -> bool:
+    return option.startswith(_SAFE_ASSEMBLER_OPTIONS)
 
 
 def _takes_value(arg: str) -> bool:
@@ -125,13 +140,15 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
     dep_md = False
     language = None  # current -x
     include_dirs: list[str] = []
+    include_flags: list[tuple[str, str]] = []
     forced: list[str] = []
     debug = False
     gz = False
+    dep_target = False
     i = 0
     while i < len(args):
         arg = args[i]
-        value = None
+        value = ""
         if arg.startswith("@"):
             return Bypass("response-file")
         if arg == "-":
@@ -152,16 +169,19 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
             i += 1
             continue
         if arg in ("-E", "-S", "-M", "-MM", "-fsyntax-only"):
-            return Bypass({"-E": "preprocess-only", "-S": "assembly-output", "-fsyntax-only": "syntax-only"}.get(arg, "deps-only"))
+            names = {"-E": "preprocess-only", "-S": "assembly-output", "-fsyntax-only": "syntax-only"}
+            return Bypass(names.get(arg, "deps-only"))
         if arg == "-MMD":
             return Bypass("mmd-not-supported")
         if arg.startswith(_BYPASS_PREFIXES):
             return Bypass(f"flag:{arg}")
         if arg in _NATIVE:
             return Bypass(f"flag:{arg}")
-        if arg.startswith("-Wp,") and ("-M" in arg or "-d" in arg):
+        if arg.startswith("-Wa,") and not all(_safe_assembler_option(o) for o in arg[4:].split(",")):
             return Bypass(f"flag:{arg}")
-        if arg.startswith("-Wa,") and ("-a" in arg[3:] or "--MD" in arg):
+        if arg == "-Xassembler" and i + 1 < len(args) and not _safe_assembler_option(args[i + 1]):
+            return Bypass(f"flag:-Xassembler {args[i + 1]}")
+        if arg in ("-v", "-MG", "-I-"):  # -v: temp names in stderr; -MG: missing headers pass; -I-: old quote rules
             return Bypass(f"flag:{arg}")
         if not _allowed(arg, extra_safe):
             return Bypass(f"unknown-flag:{arg}")
@@ -184,19 +204,24 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
             language = arg[2:]
         elif arg == "-MD":
             dep_md = True
+        elif arg.startswith(("-MT", "-MQ")):
+            dep_target = True
         elif arg == "-MF":
             depfile = value
         elif arg.startswith("-MF"):
             depfile = arg[3:]
         elif arg in ("-include", "-imacros"):
             forced.append(value)
-        elif arg in INCLUDE_DIR_FLAGS:
-            include_dirs.append(value)
-        elif arg.startswith(INCLUDE_DIR_FLAGS) and not arg.startswith(("-include", "-imacros")):
-            for flag in INCLUDE_DIR_FLAGS:
-                if arg.startswith(flag):
-                    include_dirs.append(arg[len(flag):])
-                    break
+        elif arg.startswith(("-include", "-imacros")):
+            return Bypass(f"attached-value:{arg}")  # the search for it is only modelled for the separate form
+        elif arg in INCLUDE_DIR_FLAGS or (arg.startswith(INCLUDE_DIR_FLAGS) and not arg.startswith(("-include",
+                                                                                                     "-imacros"))):
+            flag = arg if arg in INCLUDE_DIR_FLAGS else next(f for f in INCLUDE_DIR_FLAGS if arg.startswith(f))
+            directory = value if arg in INCLUDE_DIR_FLAGS else arg[len(flag):]
+            if directory.startswith(("=", "$SYSROOT")) or directory.endswith(".hmap"):
+                return Bypass(f"include-dir-not-modelled:{directory}")  # sysroot-relative, or a Clang header map
+            include_dirs.append(directory)
+            include_flags.append((flag, directory))
         elif arg.startswith("-g"):
             level = arg[2:]
             if level.startswith("z"):
@@ -227,9 +252,11 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
         output=output,
         depfile=depfile if dep_md else None,
         include_dirs=include_dirs,
+        include_flags=include_flags,
         forced_includes=forced,
         debug_info=debug,
         compressed_debug=gz,
+        dep_target_given=dep_target,
     )
 
 

@@ -10,21 +10,24 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform as platform_mod
-import subprocess
+import stat
 import threading
 import time
 from dataclasses import dataclass
+
+from google.protobuf.message import Message
 
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
 from .compile_args import ENV_ALLOW, PATH_FLAGS, SEPARATE_VALUE, Compile
+from .includes import Directives, scan_directives
 from .roots import Roots
 
-KEY_VERSION = "buildvault-cc/1"
+# /2: manifests record the state of every include-search candidate; toolchain identity covers cc1/as.
+KEY_VERSION = "buildvault-cc/2"
 # A file modified this recently is hashed again on every use (its mtime may not move on the next edit).
 RACY_SECONDS = 2.0
 _TIME_MACROS = (b"__DATE__", b"__TIME__")
@@ -34,7 +37,7 @@ class Uncacheable(Exception):
     """This compile cannot be cached (reason in the message)."""
 
 
-def serialize(message) -> bytes:
+def serialize(message: Message) -> bytes:
     return message.SerializeToString(deterministic=True)
 
 
@@ -49,35 +52,40 @@ class FileInfo:
     time_macros: bool
     timestamp_macro: bool
     mtime: float = 0.0  # seconds since the epoch
-    probe: bool = False  # uses __has_include: what exists, not only what is read, matters
+    directives: Directives = Directives((), (), (), False, None)  # what it asks the include search for
 
 
 class FileHasher:
     """Content digests cached by (path, roots) and validated by inode/size/mtime/ctime."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple, tuple[tuple, FileInfo]] = {}
+        self._cache: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[tuple[int, ...], FileInfo]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    def _signature(st: os.stat_result) -> tuple:
+    def _signature(st: os.stat_result) -> tuple[int, ...]:
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
 
     def info(self, path: str, roots: Roots) -> FileInfo:
+        """Digest and scan of `path`; raises Uncacheable for anything but a regular file."""
         st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise Uncacheable(f"input is not a regular file: {path}")
         sig = self._signature(st)
         key = (path, roots.key)
         cached = self._cache.get(key)
         if cached is not None and cached[0] == sig:
             return cached[1]
-        data = self._content(path, roots)
+        with open(path, "rb") as f:
+            raw = f.read()
+        data = self._normalized(path, raw, roots)
         info = FileInfo(
             digest=Digest.of(data),
             executable=bool(st.st_mode & 0o111),
             time_macros=any(m in data for m in _TIME_MACROS),
             timestamp_macro=b"__TIMESTAMP__" in data,
             mtime=st.st_mtime,
-            probe=b"__has_include" in data,
+            directives=scan_directives(raw),
         )
         if time.time() - st.st_mtime > RACY_SECONDS:
             with self._lock:
@@ -87,12 +95,15 @@ class FileHasher:
         return info
 
     @staticmethod
-    def _content(path: str, roots: Roots) -> bytes:
-        with open(path, "rb") as f:
-            data = f.read()
+    def _normalized(path: str, data: bytes, roots: Roots) -> bytes:
         if roots and roots.locate(path) is not None and b"\0" not in data:
             return roots.normalize_bytes(data)
         return data
+
+    @classmethod
+    def _content(cls, path: str, roots: Roots) -> bytes:
+        with open(path, "rb") as f:
+            return cls._normalized(path, f.read(), roots)
 
     def content(self, path: str, roots: Roots, expect: Digest) -> bytes:
         """The blob for `path` as hashed; raises Uncacheable if it changed since."""
@@ -100,52 +111,6 @@ class FileHasher:
         if Digest.of(data) != expect:
             raise Uncacheable(f"input changed during the build: {path}")
         return data
-
-
-class CompilerIdentity:
-    """sha256 over the resolved compiler binary and its `--version` output, cached by stat."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple, str] = {}
-
-    def resolve(self, argv0: str, cwd: str, env: dict[str, str]) -> str:
-        if "/" in argv0:
-            path = os.path.join(cwd, argv0)
-            if os.access(path, os.X_OK):
-                return os.path.normpath(path)
-            raise Uncacheable(f"compiler not found: {argv0}")
-        for d in env.get("PATH", os.defpath).split(os.pathsep):
-            candidate = os.path.join(d or ".", argv0)
-            if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-                return os.path.normpath(os.path.join(cwd, candidate))
-        raise Uncacheable(f"compiler not found on PATH: {argv0}")
-
-    def identity(self, path: str, env: dict[str, str]) -> str:
-        real = os.path.realpath(path)
-        st = os.stat(real)
-        key = (path, real, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        h = hashlib.sha256()
-        with open(real, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        run_env = {k: v for k, v in env.items() if k in ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH")}
-        run_env["LC_ALL"] = "C"
-        try:
-            version = subprocess.run(
-                [path, "--version"], capture_output=True, timeout=20, env=run_env, stdin=subprocess.DEVNULL, cwd="/"
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise Uncacheable(f"compiler --version failed: {e}") from None
-        h.update(b"\0--version\0")
-        h.update(version.stdout)
-        h.update(version.stderr)
-        ident = h.hexdigest()
-        if time.time() - st.st_mtime > RACY_SECONDS:
-            self._cache[key] = ident
-        return ident
 
 
 def os_arch() -> tuple[str, str]:
@@ -182,6 +147,7 @@ class Prepared:
     platform_spec: list[tuple[str, str, bool]]
     rewritten: list[str]  # original relative path tokens that normalization rewrote
     source_abs: str
+    compiler_path: str = ""  # the resolved compiler binary
 
 
 def _norm_path_value(value: str, cwd: str, cwd_root: str | None, roots: Roots, rewritten: list[str]) -> str:
@@ -195,7 +161,8 @@ def _norm_path_value(value: str, cwd: str, cwd_root: str | None, roots: Roots, r
     return roots.path_token(absolute)
 
 
-_ATTACHED_PATH_FLAGS = ("--sysroot=", "-include", "-imacros", "-isysroot", "-isystem", "-idirafter", "-iquote", "-MF", "-I", "-o")
+_ATTACHED_PATH_FLAGS = ("--sysroot=", "-include", "-imacros", "-isysroot", "-isystem", "-idirafter", "-iquote", "-MF",
+                        "-I", "-o")
 
 
 def normalize_argv(argv: list[str], cwd: str, roots: Roots, rewritten: list[str]) -> list[str]:
@@ -234,7 +201,8 @@ def normalize_argv(argv: list[str], cwd: str, roots: Roots, rewritten: list[str]
     return out
 
 
-def prepare(c: Compile, cwd: str, env: dict[str, str], roots: Roots, compiler_id: str, platform_spec) -> Prepared:
+def prepare(c: Compile, cwd: str, env: dict[str, str], roots: Roots, compiler_id: str,
+            platform_spec: list[tuple[str, str, bool]], compiler_path: str = "") -> Prepared:
     rewritten: list[str] = []
     argv_norm = normalize_argv(c.argv, cwd, roots, rewritten)
     env_norm = sorted((k, roots.normalize(env[k])) for k in ENV_ALLOW if k in env)
@@ -256,6 +224,7 @@ def prepare(c: Compile, cwd: str, env: dict[str, str], roots: Roots, compiler_id
         platform_spec=platform_spec,
         rewritten=rewritten,
         source_abs=os.path.normpath(os.path.join(cwd, c.source)),
+        compiler_path=compiler_path,
     )
 
 
@@ -265,7 +234,8 @@ EXACT = Roots([])
 class ActionKey:
     """The serialized Action, Command and input-root Directory messages of one key."""
 
-    def __init__(self, action_digest: Digest, blobs: dict[Digest, bytes], command: re_pb2.Command, output_rel: list[str]):
+    def __init__(self, action_digest: Digest, blobs: dict[Digest, bytes], command: re_pb2.Command,
+                 output_rel: list[str]) -> None:
         self.digest = action_digest
         self.blobs = blobs  # Action, Command, Directory messages by digest
         self.command = command

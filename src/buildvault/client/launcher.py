@@ -33,15 +33,20 @@ Environment:
 
 from __future__ import annotations
 
+import _socket  # the C module: `socket` would import enum, selectors, ... (~10 ms per compile)
 import os
 import sys
 import time
 
-import _socket  # the C module: `socket` would import enum, selectors, ... (~10 ms per compile)
-
 from . import protocol
 
+TYPE_CHECKING = False  # no `import typing` at run time
+if TYPE_CHECKING:
+    from typing import Any
+
 _WARN_EVERY = 60.0
+_AGENT_MODULES = ("agent.py", "hits.py", "store.py", "keys.py", "includes.py", "outputs.py", "toolchain.py",
+                  "preprocessed.py", "compile_args.py", "remote.py", "roots.py")
 
 
 def _fnv1a(data: bytes) -> int:
@@ -53,10 +58,12 @@ def _fnv1a(data: bytes) -> int:
 
 def _socket_path() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        code = os.stat(os.path.join(here, "agent.py")).st_mtime_ns
-    except OSError:
-        code = 0
+    code = 0
+    for module in _AGENT_MODULES:  # new agent code gets a new agent
+        try:  # noqa: SIM105 - contextlib would be one more import per compile
+            code ^= os.stat(os.path.join(here, module)).st_mtime_ns
+        except OSError:
+            pass
     config = "\0".join(
         [
             os.environ.get("BUILDVAULT_REMOTE", ""),
@@ -71,11 +78,11 @@ def _socket_path() -> str:
             str(code),
         ]
     )
-    tag = "%08x" % _fnv1a(config.encode())
+    tag = f"{_fnv1a(config.encode()):08x}"
     return os.path.join(protocol.agent_dir(), f"agent-{tag}.sock")
 
 
-def _connect(path: str):
+def _connect(path: str) -> _socket.socket | None:
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         s.connect(path)
@@ -133,7 +140,7 @@ def _private(directory: str) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o077
 
 
-def connect_agent(spawn: bool = True):
+def connect_agent(spawn: bool = True) -> _socket.socket | None:
     path = _socket_path()
     if not _private(os.path.dirname(path)):
         return None
@@ -238,7 +245,7 @@ def _echo(out: bytes, err: bytes) -> None:
         os.write(2, err)
 
 
-def _json(value) -> str:
+def _json(value: object) -> str:
     """Minimal JSON for the event log (json would cost an import of re/enum per compile)."""
     if value is None:
         return "null"
@@ -258,14 +265,14 @@ def _json(value) -> str:
         if ch == '"' or ch == "\\":
             out.append("\\" + ch)
         elif code < 0x20 or 0xD800 <= code <= 0xDFFF:
-            out.append("\\u%04x" % code)
+            out.append(f"\\u{code:04x}")
         else:
             out.append(ch)
     out.append('"')
     return "".join(out)
 
 
-def _log(event: dict) -> None:
+def _log(event: dict[str, Any]) -> None:
     path = os.environ.get("BUILDVAULT_EVENT_LOG")
     if not path:
         return
@@ -281,10 +288,10 @@ def _source_of(argv: list[str]) -> str | None:
     return None
 
 
-def compile_through_cache(argv: list[str], state: dict | None = None) -> int:
+def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None) -> int:
     state = {} if state is None else state
     start = time.monotonic()
-    event = {"status": "BYPASS", "reason": "", "action": None, "outputs": 0, "source": _source_of(argv),
+    event: dict[str, Any] = {"status": "BYPASS", "reason": "", "action": None, "outputs": 0, "source": _source_of(argv),
              "cwd": os.getcwd()}
 
     def finish(code: int) -> int:
@@ -341,11 +348,16 @@ def compile_through_cache(argv: list[str], state: dict | None = None) -> int:
                 protocol.send(sock, {"op": "done", "token": reply["token"], "exit": code, "stdout": out,
                                      "stderr": err, "seconds": seconds, "started": started,
                                      "elapsed": time.monotonic() - start})
-                result = protocol.recv(sock) or {"reason": "agent-failed"}
+                result = protocol.recv(sock) or {"reason": "agent-failed", "rerun": True}
             except (OSError, ValueError):
-                result = {"reason": "agent-failed"}
+                result = {"reason": "agent-failed", "rerun": True}
             if result.get("warning"):
                 _warn(result["warning"])
+            if result.get("rerun"):
+                # The outputs went to private temp paths the agent did not move into place: run the
+                # compile untouched instead (the output path changed kind, or the agent failed).
+                event.update(status="BYPASS", reason=result.get("reason", "agent-failed"))
+                return finish(run(argv))
             if result.get("agent_logs"):
                 return code  # the agent logs this compile once its upload finishes
             event.update(reason=result.get("reason", ""), action=result.get("digest"), outputs=result.get("outputs", 0))

@@ -22,18 +22,23 @@ Both ends also write the event log (BUILDVAULT_EVENT_LOG), one JSON line per com
 
 from __future__ import annotations
 
+import _socket
 import marshal
 import os
+
+TYPE_CHECKING = False  # no `import typing` at run time: the launcher starts once per compile
+if TYPE_CHECKING:
+    from typing import Any
 
 MAX_MESSAGE = 256 * 1024 * 1024
 
 
-def send(sock, message: dict) -> None:
+def send(sock: _socket.socket, message: dict[str, Any]) -> None:
     data = marshal.dumps(message)
     sock.sendall(len(data).to_bytes(4, "big") + data)
 
 
-def _recv_exact(sock, n: int) -> bytes | None:
+def _recv_exact(sock: _socket.socket, n: int) -> bytes | None:
     chunks = []
     while n:
         chunk = sock.recv(min(n, 1 << 20))
@@ -44,7 +49,7 @@ def _recv_exact(sock, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def recv(sock) -> dict | None:
+def recv(sock: _socket.socket) -> dict[str, Any] | None:
     header = _recv_exact(sock, 4)
     if header is None:
         return None

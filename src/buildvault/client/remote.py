@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -129,7 +129,8 @@ class Remote:
             inline_output_files=list(inline_files),
         )
         try:
-            return self.ac.GetActionResult(request, timeout=self.timeout, metadata=self.metadata)
+            result: re_pb2.ActionResult = self.ac.GetActionResult(request, timeout=self.timeout, metadata=self.metadata)
+            return result
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -142,7 +143,8 @@ class Remote:
         """Several UpdateActionResult calls in flight at once."""
         futures = [
             self.ac.UpdateActionResult.future(
-                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d), action_result=r),
+                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d),
+                                                 action_result=r),
                 timeout=self.upload_timeout,
                 metadata=self.metadata,
             )
@@ -166,7 +168,8 @@ class Remote:
         missing: set[Digest] = set()
         for start in range(0, len(unique), 5000):
             part = unique[start:start + 5000]
-            request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance, blob_digests=[to_proto(d) for d in part])
+            request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance,
+                                                     blob_digests=[to_proto(d) for d in part])
             try:
                 response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
             except grpc.RpcError as e:
@@ -217,7 +220,7 @@ class Remote:
         prefix = f"{self.instance}/" if self.instance else ""
         name = f"{prefix}uploads/{uuid.uuid4()}/blobs/{digest.hash}/{digest.size_bytes}"
 
-        def chunks():
+        def chunks() -> Iterator[bs_pb2.WriteRequest]:
             offset = 0
             while True:
                 piece = data[offset:offset + CHUNK]
@@ -284,7 +287,8 @@ class Remote:
         name = f"{prefix}blobs/{digest.hash}/{digest.size_bytes}"
         try:
             request = bs_pb2.ReadRequest(resource_name=name)
-            parts = [r.data for r in self.bs.Read(request, timeout=max(self.timeout, 30.0), metadata=self.metadata)]
+            reads = self.bs.Read(request, timeout=max(self.timeout, 30.0), metadata=self.metadata)
+            parts = [r.data for r in reads]
         except grpc.RpcError as e:
             raise RemoteError(f"ByteStream.Read: {e.code().name}: {e.details()}") from None
         return b"".join(parts)

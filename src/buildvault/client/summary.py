@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Iterable
+from typing import Any
 
 
-def summarize(lines) -> dict:
+def summarize(lines: Iterable[str]) -> dict[str, Any]:
     counts: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     saved = 0.0
