@@ -6,13 +6,18 @@ import asyncio
 import os
 
 import pytest
-
-from s3_server import aws_env, bucket, free_port, raw_client, s3_endpoint, session  # noqa: F401 - fixtures
+import s3_server
+from s3_server import free_port, raw_client, session
 
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound, Unavailable
 from buildvault.storage.objectstore import S3_MIN_PART_SIZE, CorruptObject, ObjectStore
+
+# Fixtures from s3_server (bound by name so pytest finds them in this module).
+aws_env = s3_server.aws_env
+bucket = s3_server.bucket
+s3_endpoint = s3_server.s3_endpoint
 
 MiB = 1 << 20
 

@@ -18,23 +18,17 @@ import time
 
 import grpc
 import pytest
-
+import s3_server
 from polling import wait_for
 from reapi_client import CLIENT_OPTIONS, batch_update, digest, make_stubs, missing, read, read_name, write
-from s3_server import (  # noqa: F401 - fixtures
-    aws_env,
-    bucket_keys,
-    create_bucket,
-    metric,
-    moto_server,
-    raw_client,
-    s3,
-    s3_requests,
-    tier_args,
-    wait_drained,
-)
+from s3_server import bucket_keys, create_bucket, metric, raw_client, s3_requests, tier_args, wait_drained
 
 from buildvault.remote_apis import bs_pb2, re_pb2
+
+# Fixtures from s3_server (bound by name so pytest finds them in this module).
+aws_env = s3_server.aws_env
+moto_server = s3_server.moto_server
+s3 = s3_server.s3
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,8 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from s3_server import aws_env, bucket, bucket_keys, free_port, raw_client, s3_endpoint, session  # noqa: F401 - fixtures
+from s3_server import bucket_keys, free_port, raw_client, session
 
 from buildvault.config import Settings
 from buildvault.digest import Digest
@@ -224,6 +223,13 @@ KILL_SCRIPT = r"""
 import asyncio, sys
 from buildvault.digest import Digest
 from buildvault.storage.journal import UploadJournal
+
+import s3_server  # noqa: E402 - the S3 test server's fixtures, bound below
+
+# Fixtures from s3_server (bound by name so pytest finds them in this module).
+aws_env = s3_server.aws_env
+bucket = s3_server.bucket
+s3_endpoint = s3_server.s3_endpoint
 
 async def main():
     journal = await UploadJournal(sys.argv[1]).open()
