@@ -14,6 +14,7 @@ binary it fetched prints the expected line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,8 @@ def run(
             figures[name]["cold_s"] = time.perf_counter() - start
             result.check()
             executed = result.processes.executed if result.processes else None
-            log(f"bazel cold build via {name}: {figures[name]['cold_s']:.1f} s, {result.processes.line if result.processes else '?'}")
+            processes = result.processes.line if result.processes else "?"
+            log(f"bazel cold build via {name}: {figures[name]['cold_s']:.1f} s, {processes}")
             if spawns is None:
                 spawns = executed
             elif executed != spawns:
@@ -123,10 +124,8 @@ def run(
                 log(f"bazel warm build {rep + 1}/{reps} via {name}: {elapsed:.2f} s ({summary.line})")
     finally:
         for ws in workspaces.values():
-            try:
+            with contextlib.suppress(Exception):
                 ws.shutdown()
-            except Exception:  # noqa: BLE001 - best effort; the server also idles out
-                pass
     for name in names:
         warm = figures[name]["warm_s"]
         figures[name]["warm_median_s"] = statistics.median(warm) if warm else None

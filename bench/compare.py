@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +214,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
                     entry["errors"].append(f"{name} run {rep + 1}: {row['error']}")
     for entry in table.values():
         ratios = []
-        for a, b in zip(entry["values"]["buildvault"], entry["values"]["buildgrid"]):
+        for a, b in zip(entry["values"]["buildvault"], entry["values"]["buildgrid"], strict=True):
             if a is not None and b:
                 ratios.append(a / b)
         entry["ratios"] = ratios
@@ -275,7 +275,8 @@ def write_report(
         "",
         "## REAPI scenarios",
         "",
-        "| scenario | unit | buildvault median (min–max) | BuildGrid median (min–max) | ratio bv/BG (min–max) | target | met |",
+        "| scenario | unit | buildvault median (min–max) | BuildGrid median (min–max) | ratio bv/BG (min–max) "
+        "| target | met |",
         "| --- | --- | ---: | ---: | ---: | --- | --- |",
     ]
     for scenario in order:
@@ -286,7 +287,8 @@ def write_report(
         target, met = verdict(scenario, entry)
         lines.append(
             f"| {scenario} | {entry['unit']} | {fmt(bv[0])} ({fmt(bv[1])}–{fmt(bv[2])}) | "
-            f"{fmt(bg[0])} ({fmt(bg[1])}–{fmt(bg[2])}) | **{fmt(ratio[0], 2)}** ({fmt(ratio[1], 2)}–{fmt(ratio[2], 2)}) | "
+            f"{fmt(bg[0])} ({fmt(bg[1])}–{fmt(bg[2])}) | "
+            f"**{fmt(ratio[0], 2)}** ({fmt(ratio[1], 2)}–{fmt(ratio[2], 2)}) | "
             f"{target} | {met} |"
         )
     errors = [e for s in order for e in table[s]["errors"]]
@@ -329,11 +331,12 @@ def write_report(
         disk_times = backends.get("disk_cache", {}).get("warm_s", [])
         for name, figures in backends.items():
             median, low, high = stats(figures["warm_s"])
-            ratios = [t / d for t, d in zip(figures["warm_s"], disk_times) if d]
+            ratios = [t / d for t, d in zip(figures["warm_s"], disk_times, strict=False) if d]
             r_median, r_low, r_high = stats(ratios)
             relative = f"**{r_median:.2f}×** ({r_low:.2f}–{r_high:.2f})" if r_median and disk else "—"
             lines.append(
-                f"| {name} | {fmt(median, 2)} ({fmt(low, 2)}–{fmt(high, 2)}) | {relative} | {fmt(figures['cold_s'], 1)} |"
+                f"| {name} | {fmt(median, 2)} ({fmt(low, 2)}–{fmt(high, 2)}) | {relative} "
+                f"| {fmt(figures['cold_s'], 1)} |"
             )
         lines += [
             "",
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         [".venv/bin/python", "bench/compare.py", *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))]
     )
     meta: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
         "load_start": load_average(),
         "machine": machine_info(),
         "revision": git_revision(),
@@ -465,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             meta["bazel"] = bazel_version()
             try:
                 bazel = run_bazel(args, workdir)
-            except Exception as exc:  # noqa: BLE001 - reported in RESULTS.md, run fails
+            except Exception as exc:
                 bazel_error = f"{type(exc).__name__}: {str(exc)[:600]}"
                 log(f"bazel figure failed: {bazel_error}")
         meta["wall_min"] = (time.monotonic() - started_at) / 60

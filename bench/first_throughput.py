@@ -108,7 +108,9 @@ async def run(target: str, size: int, rounds: int, server_pid: int | None = None
 
         for chunk in (MiB, 64 << 10):
             await measure(
-                f"ByteStream.Write {size // MiB} MiB, {chunk >> 10} KiB chunks", size, lambda: write(bs, os.urandom(size), chunk)
+                f"ByteStream.Write {size // MiB} MiB, {chunk >> 10} KiB chunks",
+                size,
+                lambda chunk=chunk: write(bs, os.urandom(size), chunk),
             )
         data = os.urandom(size)
         await write(bs, data, MiB)
@@ -116,7 +118,9 @@ async def run(target: str, size: int, rounds: int, server_pid: int | None = None
         text = b"buildvault throughput line %d\n"
         compressible = b"".join(text % i for i in range(size // 24))[:size]
         await write(bs, compressible, MiB)
-        await measure(f"ByteStream.Read {size // MiB} MiB zstd (text)", size, lambda: read(bs, compressible, compressed=True))
+        await measure(
+            f"ByteStream.Read {size // MiB} MiB zstd (text)", size, lambda: read(bs, compressible, compressed=True)
+        )
         for label, nbytes, seconds, cpu in rows:
             server = f", server CPU {cpu * 1000:.0f} ms = {nbytes / cpu / 1e6:.0f} MB/CPU-s" if cpu else ""
             print(f"{label:<48} {nbytes / seconds / 1e6:8.0f} MB/s  ({seconds * 1000:.0f} ms{server})")
@@ -138,9 +142,11 @@ def main() -> None:
         return
     from server_process import ServerProcess
 
-    with tempfile.TemporaryDirectory(prefix="buildvault-bench-") as tmp:
-        with ServerProcess(Path(tmp) / "data", http_address="") as server:
-            asyncio.run(run(server.grpc_address, args.size_mib * MiB, args.rounds, server.pid))
+    with (
+        tempfile.TemporaryDirectory(prefix="buildvault-bench-") as tmp,
+        ServerProcess(Path(tmp) / "data", http_address="") as server,
+    ):
+        asyncio.run(run(server.grpc_address, args.size_mib * MiB, args.rounds, server.pid))
 
 
 if __name__ == "__main__":

@@ -526,10 +526,15 @@ def make_fmb(concurrency: int) -> Scenario:
 
         timing.seconds = await run_workers(concurrency, calls, op)
         result = Result(name, "calls/s", calls / timing.seconds, ops=calls)
-        result.detail = {"digests_per_call": plan.fmb_digests, "digests_per_s": round(calls * plan.fmb_digests / timing.seconds)}
+        result.detail = {
+            "digests_per_call": plan.fmb_digests,
+            "digests_per_s": round(calls * plan.fmb_digests / timing.seconds),
+        }
         return finish(result, timing)
 
-    return Scenario(name, run, f"FindMissingBlobs, {FULL.fmb_digests} digests (half present), concurrency {concurrency}")
+    return Scenario(
+        name, run, f"FindMissingBlobs, {FULL.fmb_digests} digests (half present), concurrency {concurrency}"
+    )
 
 
 def make_batch(concurrency: int, write: bool) -> Scenario:
@@ -574,7 +579,9 @@ def make_batch(concurrency: int, write: bool) -> Scenario:
 
             timing.seconds = await run_workers(concurrency, calls, op)
         blobs_total = calls * per_call
-        result = Result(name, "blobs/s", blobs_total / timing.seconds, ops=calls, bytes=blobs_total * plan.batch_blob_size)
+        result = Result(
+            name, "blobs/s", blobs_total / timing.seconds, ops=calls, bytes=blobs_total * plan.batch_blob_size
+        )
         result.detail = {
             "blobs_per_call": per_call,
             "blob_bytes": plan.batch_blob_size,
@@ -602,7 +609,7 @@ def make_bs_write(size_index: int, chunk_index: int, plan: Plan) -> Scenario:
 
         timing.seconds = await run_workers(1, count, op)
         # the read scenario for this size reads the first variant's blobs
-        state.setdefault(f"bs_{size}", list(zip(blobs, digests)))
+        state.setdefault(f"bs_{size}", list(zip(blobs, digests, strict=True)))
         total = size * count
         result = Result(name, "MiB/s", total / MiB / timing.seconds, ops=count, bytes=total)
         result.detail = {"blob_bytes": size, "chunk_bytes": chunk, "blobs": count}
@@ -655,7 +662,8 @@ def make_ac(concurrency: int, write: bool) -> Scenario:
         pool_digests = [digest_of(b) for b in pool]
         entries = []
         for i in range(plan.ac_ops[concurrency]):
-            entries.append((random_action_digest(), make_action_result(random.sample(pool_digests, plan.ac_outputs), f"t{i}")))
+            action = random_action_digest()
+            entries.append((action, make_action_result(random.sample(pool_digests, plan.ac_outputs), f"t{i}")))
         return entries
 
     async def run(client: Client, plan: Plan, state: dict[str, Any]) -> Result:
@@ -702,7 +710,7 @@ class SimAction:
 def plan_mixed(plan: Plan) -> list[list[SimAction]]:
     shared = [random_blob(random.randint(2 * KiB, 16 * KiB)) for _ in range(40)]  # "system headers"
     clients = []
-    for c in range(plan.mixed_clients):
+    for _ in range(plan.mixed_clients):
         actions = []
         for a in range(plan.mixed_actions):
             inputs = random.sample(shared, 6) + [random_blob(random.randint(4 * KiB, 32 * KiB)) for _ in range(2)]
@@ -763,7 +771,9 @@ async def mixed_warm_action(client: Client, action: SimAction, timing: Timing) -
     timing.latencies.append(time.perf_counter() - start)
 
 
-async def run_mixed_pass(client: Client, clients: list[list[SimAction]], step: Callable[..., Awaitable[None]]) -> Timing:
+async def run_mixed_pass(
+    client: Client, clients: list[list[SimAction]], step: Callable[..., Awaitable[None]]
+) -> Timing:
     timing = Timing()
 
     async def one_client(actions: list[SimAction]) -> None:
@@ -800,7 +810,10 @@ def make_mixed(warm: bool) -> Scenario:
     what = (
         "warm pass: GetActionResult hit, BatchReadBlobs + ByteStream.Read of the outputs"
         if warm
-        else "cold pass: GetActionResult miss, FindMissingBlobs, BatchUpdateBlobs + ByteStream.Write, UpdateActionResult"
+        else (
+            "cold pass: GetActionResult miss, FindMissingBlobs, BatchUpdateBlobs + ByteStream.Write, "
+            "UpdateActionResult"
+        )
     )
     return Scenario(name, run, f"{FULL.mixed_clients} concurrent simulated build clients, {what}")
 
@@ -904,7 +917,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 sampler.sample()
             try:
                 result = await asyncio.wait_for(scenario.run(client, plan, state), timeout=args.scenario_timeout)
-            except (Exception, BaseExceptionGroup) as exc:  # noqa: BLE001 - every failure is reported
+            except (Exception, BaseExceptionGroup) as exc:
                 result = Result(scenario.name, "", ok=False, error=describe(exc))
                 if isinstance(first_error(exc), TimeoutError):
                     result.error = f"timed out after {args.scenario_timeout:.0f} s"
@@ -972,7 +985,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--label", default="", help="name of the server in the table title and JSON")
     parser.add_argument("--json-out", help="also write every result to this JSON file")
-    parser.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the endpoint (default %(default)s)")
+    parser.add_argument(
+        "--wait", type=float, default=10.0, help="seconds to wait for the endpoint (default %(default)s)"
+    )
     parser.add_argument("--rpc-timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     parser.add_argument("--scenario-timeout", type=float, default=600.0, help="give up on a scenario after, seconds")
     parser.add_argument("--seed", type=int, help="seed the scenario shapes (blob bytes stay random)")

@@ -7,6 +7,7 @@ tests/bench/test_quick_bench.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -190,23 +191,17 @@ def stop(server: Server, timeout: float = 20.0) -> None:
     """SIGTERM the server's own process group, SIGKILL it if it lingers."""
     process = server.process
     if process.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         try:
             process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             process.wait(timeout=10)
     # children of BuildGrid left in the group
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def remove(path: Path) -> None:

@@ -2,6 +2,7 @@
 # Install the system packages the end-to-end tests (tests/e2e) need:
 # real Bazel (Debian's bazel-bootstrap 4.2.3) and ccache 4.7.x plus a C/C++
 # toolchain and CMake.  Idempotent: does nothing when everything is present.
+# Adding one: a line of its own in PACKAGES, with a comment naming what needs it.
 set -euo pipefail
 
 # bazel-bootstrap pulls in bazel-bootstrap-data (pre-extracted install base in

@@ -1,13 +1,31 @@
 #!/usr/bin/env bash
-# Create .venv and install buildvault with its test and dev extras (idempotent, quiet).
+# Create the venv and install buildvault into it (editable), idempotent and quiet.
+#
+#   scripts/setup-venv.sh            the server and its runtime dependencies only (run.sh)
+#   scripts/setup-venv.sh test,dev   plus the named extras from pyproject.toml (test.sh)
+#
+# The venv is .venv beside pyproject.toml, or $BUILDVAULT_VENV. A stamp per extras set and
+# pyproject.toml content skips pip when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+extras="${1:-}"
+if [[ ! "$extras" =~ ^[a-z,]*$ ]]; then
+  echo "setup-venv: extras must be a comma-separated list of names, got '$extras'" >&2
+  exit 2
 fi
-stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+venv="${BUILDVAULT_VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+label="${extras:-server}"
+label="${label//,/-}"
+stamp="$venv/.installed-$label-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test,dev]'
-  rm -f .venv/.installed-* && touch "$stamp"
+  spec="."
+  if [ -n "$extras" ]; then
+    spec=".[$extras]"
+  fi
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -e "$spec"
+  rm -f "$venv/.installed-$label-"* && touch "$stamp"
 fi

@@ -422,3 +422,21 @@ class ActionCache:
         for digest, data in uploads.items():
             if not is_empty(digest):
                 await self.blobs.write(digest, _single(data))
+
+
+def entry_is_intact(kind: str, data: bytes) -> bool:
+    """Could this action entry have survived a power loss intact? The disk store's validator
+    (DiskStorage.open(validate_entry=...)) for entries changed since its last sync point.
+
+    Every kind: not empty and not zero-filled (what a torn write leaves). Kind "ac" must also
+    parse as an ActionResult; other kinds ("raw": ccache's and other opaque HTTP entries) are
+    not parsed."""
+    if not data or not data.strip(b"\x00"):
+        return False
+    if kind != "ac":
+        return True
+    try:
+        re_pb2.ActionResult.FromString(data)
+    except DecodeError:
+        return False
+    return True

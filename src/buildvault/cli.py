@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import os
 import signal
 import sys
@@ -53,13 +54,23 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(_flag(f.name), **kwargs)
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's, recorded at install time)."""
+    return importlib.metadata.version("buildvault")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients.")
+    parser = argparse.ArgumentParser(
+        prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
         help="run the cache server",
-        description="Run the cache server. Precedence: flags > BUILDVAULT_<NAME> environment > --config file > defaults.",
+        description=(
+            "Run the cache server. Precedence: flags > BUILDVAULT_<NAME> environment > --config file > defaults."
+        ),
     )
     serve.add_argument(
         "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"

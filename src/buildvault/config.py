@@ -102,14 +102,14 @@ class Settings:
             raise ConfigError(f"s3_checksums: {self.s3_checksums!r} is not 'when_required' or 'when_supported'")
 
     @classmethod
-    def fields(cls) -> list[dataclasses.Field]:
+    def fields(cls) -> list[dataclasses.Field[Any]]:
         return list(dataclasses.fields(cls))
 
 
 def load_settings(
     flags: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
-    config_file: str | os.PathLike | None = None,
+    config_file: str | os.PathLike[str] | None = None,
 ) -> Settings:
     """Merge defaults < file < environment < flags. `flags` holds only values given on the command line."""
     env = os.environ if env is None else env
@@ -117,8 +117,8 @@ def load_settings(
     values: dict[str, Any] = {}
     if config_file:
         try:
-            with open(config_file, "rb") as f:
-                data = tomllib.load(f)
+            with open(config_file, "rb") as stream:
+                data = tomllib.load(stream)
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"config file {config_file}: {e}") from e
         known = {f.name for f in Settings.fields()}

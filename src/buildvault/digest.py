@@ -11,9 +11,13 @@ import hashlib
 import re
 import uuid as uuid_mod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import blake3
+
+if TYPE_CHECKING:
+    # Types only: digest rules stay free of the generated modules at run time.
+    from buildvault.remote_apis import re_pb2
 
 
 class InvalidDigest(ValueError):
@@ -29,6 +33,11 @@ class DigestFunction(enum.Enum):
     def __init__(self, label: str, wire: int) -> None:
         self.label = label
         self.wire = wire
+
+    @property
+    def proto(self) -> re_pb2.DigestFunction.Value:
+        """`wire` typed as the generated enum, for message fields: `Request(digest_function=fn.proto)`."""
+        return cast("re_pb2.DigestFunction.Value", self.wire)
 
     # Members are singletons: identity hashing is correct, and C-fast (Enum.__hash__ is Python).
     __hash__ = object.__hash__
@@ -205,7 +214,9 @@ def _parse_resource(name: str, upload: bool) -> ResourceName:
                 raise InvalidDigest(f"invalid upload id {upload_id[:64]!r}") from None
         rest = rest[2:]
         if not rest or rest[0] not in ("blobs", "compressed-blobs"):
-            raise InvalidDigest(f"resource name {name[:100]!r}: expected blobs/ or compressed-blobs/ after the upload id")
+            raise InvalidDigest(
+                f"resource name {name[:100]!r}: expected blobs/ or compressed-blobs/ after the upload id"
+            )
     compressor = None
     if rest[0] == "compressed-blobs":
         if len(rest) < 2:

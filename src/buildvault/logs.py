@@ -29,7 +29,9 @@ request_log = logging.getLogger(REQUEST_LOGGER)
 _banner_log = logging.getLogger(BANNER_LOGGER)
 
 # Structured fields of the request being handled (set by the RPC wrapper, filled by handlers).
-_fields: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("buildvault_request_fields", default=None)
+_fields: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "buildvault_request_fields", default=None
+)
 
 
 class JsonFormatter(logging.Formatter):
@@ -85,7 +87,11 @@ def requests_enabled() -> bool:
     return request_log.isEnabledFor(logging.DEBUG)
 
 
-def begin_request() -> contextvars.Token | None:
+#: What begin_request returns and end_request takes back.
+RequestToken = contextvars.Token[dict[str, Any] | None]
+
+
+def begin_request() -> RequestToken | None:
     """Start collecting fields for this request (only when request logging is on)."""
     if not requests_enabled():
         return None
@@ -99,7 +105,7 @@ def note(**fields: Any) -> None:
         current.update(fields)
 
 
-def end_request(token: contextvars.Token | None, method: str, code: str, started: float, peer: str | None) -> None:
+def end_request(token: RequestToken | None, method: str, code: str, started: float, peer: str | None) -> None:
     """Emit the request's JSON line."""
     if token is None:
         return

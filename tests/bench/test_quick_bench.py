@@ -71,10 +71,10 @@ def test_quick_bench_against_buildvault(tmp_path: Path) -> None:
 class LyingCas(re_grpc.ContentAddressableStorageServicer):
     """Says every blob is present."""
 
-    def FindMissingBlobs(self, request, context):  # noqa: N802 - gRPC method name
+    def FindMissingBlobs(self, request, context):
         return re_pb2.FindMissingBlobsResponse()
 
-    def BatchUpdateBlobs(self, request, context):  # noqa: N802
+    def BatchUpdateBlobs(self, request, context):
         return re_pb2.BatchUpdateBlobsResponse(
             responses=[re_pb2.BatchUpdateBlobsResponse.Response(digest=r.digest) for r in request.requests]
         )
@@ -86,17 +86,17 @@ class ReorderingCas(LyingCas):
     def __init__(self) -> None:
         self.stored: set[tuple[str, int]] = set()
 
-    def FindMissingBlobs(self, request, context):  # noqa: N802
+    def FindMissingBlobs(self, request, context):
         missing = [d for d in request.blob_digests if (d.hash, d.size_bytes) not in self.stored]
         return re_pb2.FindMissingBlobsResponse(missing_blob_digests=missing[::-1])
 
-    def BatchUpdateBlobs(self, request, context):  # noqa: N802
+    def BatchUpdateBlobs(self, request, context):
         self.stored.update((r.digest.hash, r.digest.size_bytes) for r in request.requests)
         return super().BatchUpdateBlobs(request, context)
 
 
 class Capabilities(re_grpc.CapabilitiesServicer):
-    def GetCapabilities(self, request, context):  # noqa: N802
+    def GetCapabilities(self, request, context):
         return re_pb2.ServerCapabilities(
             cache_capabilities=re_pb2.CacheCapabilities(digest_functions=[re_pb2.DigestFunction.SHA256])
         )

@@ -144,10 +144,8 @@ _TOTAL_ACTIONS_RE = re.compile(r"Build completed successfully, (\d+) total actio
 
 
 def parse_total_actions(output: str) -> int | None:
-    m = None
-    for m in _TOTAL_ACTIONS_RE.finditer(output):
-        pass
-    return int(m.group(1)) if m else None
+    totals = _TOTAL_ACTIONS_RE.findall(output)
+    return int(totals[-1]) if totals else None
 
 
 # --------------------------------------------------------------------------
@@ -179,7 +177,7 @@ class BazelResult:
     def total_actions(self) -> int | None:
         return parse_total_actions(self.output)
 
-    def check(self) -> "BazelResult":
+    def check(self) -> BazelResult:
         if not self.ok:
             raise AssertionError(
                 f"bazel failed (exit {self.returncode}): {' '.join(self.args)}\n{self.output[-6000:]}"
@@ -318,7 +316,7 @@ class BazelWorkspace:
         return p
 
     # -- context manager -----------------------------------------------------
-    def __enter__(self) -> "BazelWorkspace":
+    def __enter__(self) -> BazelWorkspace:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,10 +18,19 @@ for extra in (HERE, HERE.parent / "integration"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
+import required_tools  # noqa: E402
+import s3_server  # noqa: E402
 from bazel_harness import BazelWorkspace  # noqa: E402
 from ccache_harness import CcacheProject  # noqa: E402
-from required_tools import require_bazel, require_ccache  # noqa: E402,F401 - fixtures
 from server_process import ServerProcess  # noqa: E402
+
+# Fixtures defined beside their helpers, offered to every e2e test. Bound by assignment, not
+# imported by name, so a parameter that requests one is not a redefinition to the linter.
+require_bazel = required_tools.require_bazel
+require_ccache = required_tools.require_ccache
+aws_env = s3_server.aws_env
+moto_server = s3_server.moto_server
+s3 = s3_server.s3
 
 
 @pytest.fixture

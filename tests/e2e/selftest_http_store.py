@@ -36,9 +36,9 @@ class _State:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like a real server
-    server: "_Server"
+    server: _Server
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         pass  # quiet
 
     # -- helpers -----------------------------------------------------------
@@ -155,7 +155,7 @@ class SelftestHttpStore:
         with self._server.state.lock:
             self._server.state.requests.clear()
 
-    def start(self) -> "SelftestHttpStore":
+    def start(self) -> SelftestHttpStore:
         self._thread.start()
         return self
 
@@ -164,7 +164,7 @@ class SelftestHttpStore:
         self._server.server_close()
         self._thread.join(timeout=5)
 
-    def __enter__(self) -> "SelftestHttpStore":
+    def __enter__(self) -> SelftestHttpStore:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -9,7 +9,6 @@ Bazel trusts the cache to keep every output it was told about.
 from __future__ import annotations
 
 import pytest
-
 from bazel_harness import ALL_HITS, CACHEABLE_SPAWNS, EXPECTED_OUTPUT
 from server_process import ServerProcess
 

@@ -9,7 +9,6 @@ are real action cache entries: a gRPC build with the same instance name hits the
 from __future__ import annotations
 
 import pytest
-
 from bazel_harness import ALL_HITS, CACHEABLE_SPAWNS, EXPECTED_OUTPUT
 
 pytestmark = pytest.mark.timeout(600)

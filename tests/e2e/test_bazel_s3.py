@@ -10,20 +10,8 @@ over bazel-remote's HTTP protocol.
 from __future__ import annotations
 
 import pytest
-
 from bazel_harness import ALL_HITS, CACHEABLE_SPAWNS, EXPECTED_OUTPUT
-from s3_server import (  # noqa: F401 - fixtures
-    aws_env,
-    bucket_keys,
-    create_bucket,
-    metric,
-    moto_server,
-    s3,
-    s3_requests,
-    scrape,
-    tier_args,
-    wait_drained,
-)
+from s3_server import bucket_keys, create_bucket, metric, s3_requests, scrape, tier_args, wait_drained
 from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)

@@ -10,7 +10,6 @@ ActionResult over gRPC.
 from __future__ import annotations
 
 import pytest
-
 from ccache_harness import TRANSLATION_UNITS
 
 pytestmark = pytest.mark.timeout(600)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from bazel_harness import (
     ALL_HITS,
     CACHEABLE_SPAWNS,

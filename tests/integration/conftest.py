@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from reapi_client import CLIENT_OPTIONS, Stubs, make_stubs  # noqa: E402,F401 - re-exported
+from reapi_client import CLIENT_OPTIONS, Stubs, make_stubs  # noqa: E402 - re-exported
 from server_process import ServerProcess  # noqa: E402
 
 

@@ -158,7 +158,8 @@ async def write_compressed(stubs, data: bytes, *, chunk: int = 16 << 10) -> int:
 
 
 async def read(stubs, d: re_pb2.Digest, *, offset: int = 0, limit: int = 0, name: str | None = None) -> bytes:
-    request = bs_pb2.ReadRequest(resource_name=read_name(d) if name is None else name, read_offset=offset, read_limit=limit)
+    resource_name = read_name(d) if name is None else name
+    request = bs_pb2.ReadRequest(resource_name=resource_name, read_offset=offset, read_limit=limit)
     return b"".join([r.data async for r in stubs.bytestream.Read(request)])
 
 

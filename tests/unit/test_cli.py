@@ -1,6 +1,14 @@
-"""`buildvault serve` flags: generated from Settings, precedence flags > env > file > defaults."""
+"""`buildvault serve` flags: generated from Settings, precedence flags > env > file > defaults;
+`buildvault --version`."""
 
 from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -13,13 +21,34 @@ def parse(argv, env=None):
     return cli.settings_from_args(args, env or {})
 
 
-def test_every_setting_has_a_flag():
-    parser = cli.build_parser()
-    serve = parser._subparsers._group_actions[0].choices["serve"]
-    flags = {option for action in serve._actions for option in action.option_strings}
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+
+
+def test_every_setting_has_a_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(["serve", "--help"])
+    assert exit_info.value.code == 0
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", capsys.readouterr().out))
     for f in Settings.fields():
         assert "--" + f.name.replace("_", "-") in flags
     assert "--config" in flags
+
+
+def test_version_is_the_project_version(capsys):
+    expected = tomllib.loads(PYPROJECT.read_text())["project"]["version"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"buildvault {expected}\n"
+
+
+def test_installed_console_script_prints_the_version():
+    expected = tomllib.loads(PYPROJECT.read_text())["project"]["version"]
+    # The console script installed beside this interpreter (the venv's), not a stray one on PATH.
+    script = shutil.which("buildvault", path=str(Path(sys.executable).parent))
+    assert script, f"no buildvault console script next to {sys.executable}; run scripts/setup-venv.sh"
+    proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"buildvault {expected}\n", "")
 
 
 def test_defaults(tmp_path):

@@ -7,7 +7,15 @@ from buildvault.config import ConfigError, load_settings, parse_size
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("0", 0), ("1048576", 1 << 20), ("512MiB", 512 << 20), ("512MB", 512 << 20), ("20GiB", 20 << 30), ("1.5G", 3 << 29), ("2k", 2048)],
+    [
+        ("0", 0),
+        ("1048576", 1 << 20),
+        ("512MiB", 512 << 20),
+        ("512MB", 512 << 20),
+        ("20GiB", 20 << 30),
+        ("1.5G", 3 << 29),
+        ("2k", 2048),
+    ],
 )
 def test_sizes(text, expected):
     assert parse_size(text) == expected
@@ -30,7 +38,9 @@ def test_defaults_listen_on_loopback_and_store_in_the_user_cache_dir():
 
 def test_flags_beat_environment_beat_file_beat_defaults(tmp_path):
     cfg = tmp_path / "buildvault.toml"
-    cfg.write_text('max_size = "1GiB"\ngrpc_address = "127.0.0.1:1000"\nhttp-address = "127.0.0.1:2000"\nlog_level = "debug"\n')
+    cfg.write_text(
+        'max_size = "1GiB"\ngrpc_address = "127.0.0.1:1000"\nhttp-address = "127.0.0.1:2000"\nlog_level = "debug"\n'
+    )
     env = {"BUILDVAULT_GRPC_ADDRESS": "127.0.0.1:1001", "BUILDVAULT_HTTP_ADDRESS": "127.0.0.1:2001"}
     s = load_settings({"http_address": "127.0.0.1:2002", "dir": str(tmp_path)}, env=env, config_file=cfg)
     assert s.max_size == 1 << 30  # file

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 from google.longrunning import operations_pb2
@@ -18,6 +20,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2, semver_pb2
 
 RE_PKG = "build.bazel.remote.execution.v2"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _numbers(message_cls) -> dict[str, int]:
@@ -46,6 +49,90 @@ def test_generated_modules_are_not_stale() -> None:
         "`python -m buildvault.remote_apis.regen`\n"
         f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     )
+
+
+def test_generated_modules_type_check_for_callers(tmp_path: Path) -> None:
+    """Code calling the generated modules passes the project's strict mypy, and a wrong field
+    or type is caught: the .pyi stubs regen emits are what mypy reads."""
+    good = tmp_path / "good_caller.py"
+    good.write_text(
+        textwrap.dedent(
+            """\
+            import grpc
+
+            from buildvault.digest import DigestFunction
+            from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
+
+
+            def request(hashes: list[str]) -> re_pb2.FindMissingBlobsRequest:
+                return re_pb2.FindMissingBlobsRequest(
+                    instance_name="main",
+                    blob_digests=[re_pb2.Digest(hash=h, size_bytes=1) for h in hashes],
+                    digest_function=DigestFunction.BLAKE3.proto,
+                )
+
+
+            def sizes(response: re_pb2.BatchReadBlobsResponse) -> list[int]:
+                return [entry.digest.size_bytes for entry in response.responses]
+
+
+            def write(name: str) -> bs_pb2.WriteRequest:
+                return bs_pb2.WriteRequest(resource_name=name, data=b"x", finish_write=True)
+
+
+            def bind(channel: grpc.Channel, server: grpc.aio.Server, cas: re_grpc.CapabilitiesServicer) -> None:
+                re_grpc.ContentAddressableStorageStub(channel)
+                bs_grpc.ByteStreamStub(channel)
+                re_grpc.add_CapabilitiesServicer_to_server(cas, server)
+            """
+        )
+    )
+    bad = tmp_path / "bad_caller.py"
+    bad.write_text(
+        textwrap.dedent(
+            """\
+            from buildvault.remote_apis import re_pb2
+
+
+            def wrong_type() -> re_pb2.Digest:
+                return re_pb2.Digest(hash=3, size_bytes=1)
+
+
+            def wrong_field() -> re_pb2.Digest:
+                return re_pb2.Digest(sha="ab", size_bytes=1)
+
+
+            def wrong_result(digest: re_pb2.Digest) -> int:
+                return digest.hash
+            """
+        )
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(REPO_ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / "mypy-cache"),
+            "--no-error-summary",
+            "--show-error-codes",
+            str(good),
+            str(bad),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert not [line for line in errors if "good_caller.py" in line], proc.stdout + proc.stderr
+    codes = sorted(
+        (int(line.split(":")[1]), line.rsplit("[", 1)[-1].rstrip("]")) for line in errors if "bad_caller.py" in line
+    )
+    assert codes == [(5, "arg-type"), (9, "call-arg"), (13, "return-value")], proc.stdout + proc.stderr
 
 
 # --------------------------------------------------------------------------

@@ -10,11 +10,10 @@ Short aliases::
     from buildvault.remote_apis import re_pb2, re_grpc, bs_pb2, bs_grpc, semver_pb2
 """
 
+from .build.bazel.remote.execution.v2 import remote_execution_pb2 as re_pb2
+from .build.bazel.remote.execution.v2 import remote_execution_pb2_grpc as re_grpc
 from .build.bazel.semver import semver_pb2
-from .build.bazel.remote.execution.v2 import (
-    remote_execution_pb2 as re_pb2,
-    remote_execution_pb2_grpc as re_grpc,
-)
-from .google.bytestream import bytestream_pb2 as bs_pb2, bytestream_pb2_grpc as bs_grpc
+from .google.bytestream import bytestream_pb2 as bs_pb2
+from .google.bytestream import bytestream_pb2_grpc as bs_grpc
 
 __all__ = ["bs_grpc", "bs_pb2", "re_grpc", "re_pb2", "semver_pb2"]

@@ -84,7 +84,7 @@ def generated_files() -> list[Path]:
 
 def _grpc_tools_include() -> Path:
     try:
-        import grpc_tools  # noqa: PLC0415 - optional dev dependency
+        import grpc_tools  # optional dev dependency: imported only when regenerating
     except ImportError as exc:  # pragma: no cover - environment problem
         raise RegenError(
             "grpc_tools is not installed; install the 'dev' extra "
@@ -146,7 +146,7 @@ def generate(out_dir: Path) -> None:
         if not (SRC_ROOT / proto).is_file():
             raise RegenError(f"missing proto source {SRC_ROOT / proto}")
     wkt_include = _grpc_tools_include()
-    from grpc_tools import protoc  # noqa: PLC0415 - optional dev dependency
+    from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory(prefix="buildvault-googleapis-") as staging:
         staging_dir = Path(staging)

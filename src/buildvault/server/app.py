@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from buildvault import logs
-from buildvault.actions import ActionCache
+from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.config import Settings
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
@@ -148,7 +148,7 @@ class App:
 
         directory = self.settings.dir
         try:
-            storage = await DiskStorage.open(directory, self.settings.max_size)
+            storage = await DiskStorage.open(directory, self.settings.max_size, validate_entry=entry_is_intact)
             self._storage_stats = storage.stats
         except (OSError, StorageError) as e:
             raise StartupError(f"cannot open the data directory {directory}: {e}") from None

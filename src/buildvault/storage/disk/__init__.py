@@ -1,0 +1,28 @@
+"""The local content-addressed store: the fast tier, with one LRU and one size cap for CAS and AC.
+
+One process per root (an flock on root/LOCK). The modules, one concern each:
+
+    layout       paths, namespaces, index-key encoding, leaf-directory listings
+    index        the in-memory index: LRU order, space accounting, reservations, eviction choice
+    accache      action entries kept in memory
+    findmissing  FindMissingBlobs from the index alone
+    fileops      file operations run in the worker threads; temp files
+    chunks       the iterators reads return
+    coalescer    one pool trip per event-loop iteration for small operations
+    core         the state reads and writes share; eviction and in-flight renames/unlinks
+    writes       reserve, receive, verify, publish
+    reads        ranged reads, batches, lookup by hash, action entries
+    snapshot     the index snapshot's format
+    durability   sync points, the SYNC marker, crash re-verification
+    startup      lock, temp clean-up, index rebuild
+    store        DiskStorage and its DiskBlobStore / DiskActionStore faces
+
+The store parses no REAPI message: after an unclean shutdown it checks action entries with the
+validator it was opened with (buildvault.actions.entry_is_intact in the server).
+"""
+
+from buildvault.storage.disk.index import DiskStats
+from buildvault.storage.disk.store import DiskActionStore, DiskBlobStore, DiskStorage
+from buildvault.storage.disk.writes import SMALL_OP, WRITE_BATCH
+
+__all__ = ["SMALL_OP", "WRITE_BATCH", "DiskActionStore", "DiskBlobStore", "DiskStats", "DiskStorage"]

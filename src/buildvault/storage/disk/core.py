@@ -1,0 +1,118 @@
+"""The state every disk-store operation shares, and the steps reads and writes have in common.
+
+`Core` holds the layout, the index, the worker pool and its coalescer, and the maps of renames
+and unlinks in flight (at most one per key, so the index never says "present" for a file an
+eviction is about to remove, nor the reverse). Eviction lives here because both paths need it:
+writes make room, reads drop entries whose file turned out damaged or gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from buildvault.storage import StorageError
+from buildvault.storage.disk import fileops
+from buildvault.storage.disk.coalescer import Coalescer
+from buildvault.storage.disk.index import Index
+from buildvault.storage.disk.layout import AcKeys, Layout, dir_id
+
+log = logging.getLogger("buildvault.storage.disk")
+
+
+class CountingPool(concurrent.futures.ThreadPoolExecutor):
+    """The store's worker pool; `trips` counts work items submitted (an observable of the
+    one-trip-per-batch rule)."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+        self.trips = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        self.trips += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+class Core:
+    """Shared state of one open store (event-loop side)."""
+
+    def __init__(self, root: Path, max_size: int, max_workers: int | None, clock: Callable[[], float]) -> None:
+        self.layout = Layout(root)
+        self.index = Index(max_size, clock)
+        self.ac_keys = AcKeys()
+        workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
+        self.executor = CountingPool(workers, thread_name_prefix="buildvault-disk")
+        self.ops = Coalescer(self.executor)
+        self.publishing: dict[bytes, asyncio.Future[None]] = {}
+        self.deleting: dict[bytes, asyncio.Future[None]] = {}
+        self.tasks: set[asyncio.Future[Any]] = set()
+        self.closing = False
+
+    def check_open(self) -> None:
+        if self.closing:
+            raise StorageError("disk store is closed")
+
+    async def io(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
+        """Run blocking file work in the store's pool; OSErrors become storage errors."""
+        try:
+            return await asyncio.wrap_future(self.executor.submit(fn, *args))
+        except OSError as e:
+            raise fileops.storage_error(e, what) from e
+
+    async def settle(self, cf: concurrent.futures.Future[Any]) -> None:
+        """Wait for cleanup that must finish even if the caller is cancelled meanwhile."""
+        await asyncio.shield(asyncio.wrap_future(cf))
+
+    async def settle_all(self, futures: list[asyncio.Future[None]]) -> None:
+        if futures:
+            await asyncio.shield(asyncio.gather(*futures, return_exceptions=True))
+
+    def in_flight(self) -> int:
+        """Renames, unlinks and publish tasks not finished yet."""
+        return len(self.publishing) + len(self.deleting) + len(self.tasks)
+
+    async def wait_idle(self) -> None:
+        """Until every rename, unlink and publish started so far has finished."""
+        while self.in_flight():
+            await asyncio.gather(
+                *self.tasks, *self.publishing.values(), *self.deleting.values(), return_exceptions=True
+            )
+            await asyncio.sleep(0)  # their done-callbacks run in the next iteration
+
+    def dirs_in_flight(self) -> set[bytes]:
+        """Directories with a rename or unlink under way: their mtime says nothing yet."""
+        return {dir_id(key) for key in (*self.publishing, *self.deleting)}
+
+    def evict(self, need: int) -> list[asyncio.Future[None]]:
+        """Drop least recently used entries until `need` bytes are freed; unlink their files in the pool."""
+        return [self.delete_file(key) for key in self.index.evict(need, self.publishing)]
+
+    def delete_file(self, key: bytes) -> asyncio.Future[None]:
+        future = self.ops.submit(fileops.unlink_quiet, (self.layout.path(key),))
+        self.deleting[key] = future
+
+        def done(f: asyncio.Future[None], key: bytes = key) -> None:
+            if self.deleting.get(key) is f:
+                del self.deleting[key]
+
+        future.add_done_callback(done)
+        return future
+
+    def drop_missing(self, key: bytes) -> None:
+        """The file vanished behind our back (deleted by hand): forget it."""
+        if key in self.index.entries and key not in self.publishing:
+            log.warning("%s vanished from disk; dropping it from the index", self.layout.path(key))
+            self.index.forget(key)
+
+    def drop_damaged(self, key: bytes) -> None:
+        """The file has not the size its name says (bit rot, a hand edit): forget and delete it, so a
+        NotFound makes the client upload it again."""
+        if key in self.index.entries and key not in self.publishing:
+            log.error("%s does not have the size its name says; deleting it", self.layout.path(key))
+            self.index.forget(key)
+            self.delete_file(key)

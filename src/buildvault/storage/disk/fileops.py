@@ -1,0 +1,275 @@
+"""File operations that run in the store's worker threads, never on the event loop.
+
+Whole small entries (verify + temp file + rename, reads of whole files, unlinks) in as few
+syscalls as possible, the streaming temp file of large writes (`TempFile`), the durable
+replacement of a small metadata file (`replace_durably`), and the mapping of OSErrors to
+storage errors. Functions are looked up through this module at call time, so a test can inject
+a fault (ENOSPC, a slow rename) by replacing one of them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import secrets
+from typing import Any
+
+from buildvault.digest import Digest, Hasher, new_hasher
+from buildvault.storage import DigestMismatch, StorageError, StorageFull
+
+log = logging.getLogger("buildvault.storage.disk")
+
+# Outcome of reading a whole small file.
+OK, MISSING, DAMAGED = range(3)
+FAILED = -1  # read_many: the OSError is in place of the bytes
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+_temp_names = itertools.count()
+_TEMP_PREFIX = secrets.token_hex(6)
+
+
+def storage_error(e: OSError, what: str) -> StorageError:
+    """StorageFull for a full device or quota, else StorageError, naming `what` was being done."""
+    if e.errno in NO_SPACE:
+        return StorageFull(f"{what}: {os.strerror(e.errno)}")
+    return StorageError(f"{what}: {e}")
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """os.write until done."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def unlink_quiet(path: str) -> None:
+    """Remove a file; a missing one is fine, any other failure is only logged (the file leaks)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # eviction must not fail a write; the file is only leaked
+        log.warning("could not delete %s: %s", path, e)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename(tmp: str, final: str) -> None:
+    """Publish `tmp` as `final` atomically, making the (AC) directory on demand."""
+    try:
+        os.replace(tmp, final)
+    except FileNotFoundError:
+        if not os.path.exists(tmp):
+            raise
+        os.makedirs(os.path.dirname(final), exist_ok=True)  # AC dirs are made on demand
+        os.replace(tmp, final)
+
+
+def check_hash(data: bytes, digest: Digest) -> None:
+    """Raise DigestMismatch unless `data` hashes to `digest`."""
+    hasher = new_hasher(digest.function)
+    hasher.update(data)
+    actual = hasher.hexdigest()
+    if actual != digest.hash:
+        raise DigestMismatch(f"blob {digest}: content hashes to {actual}")
+
+
+def write_small(tmp_dir: str, final: str, data: bytes, digest: Digest | None) -> None:
+    """One whole small entry: verify (CAS), write a temp file, rename it into place."""
+    if digest is not None:
+        check_hash(data, digest)
+    tmp = f"{tmp_dir}/{_TEMP_PREFIX}{next(_temp_names)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            write_all(fd, data)
+        finally:
+            os.close(fd)
+        rename(tmp, final)
+    except BaseException:
+        unlink_quiet(tmp)
+        raise
+
+
+def write_many(items: list[tuple[str, str, bytes, Digest | None]]) -> list[Exception | None]:
+    """write_small for each item, in one trip: None or the exception, each."""
+    results: list[Exception | None] = []
+    for item in items:
+        try:
+            write_small(*item)
+            results.append(None)
+        except Exception as e:  # that item's outcome
+            results.append(e)
+    return results
+
+
+def read_small(path: str, size: int, offset: int, end: int) -> tuple[int, bytes]:
+    """Bytes [offset, end) of a whole small file whose size must be `size`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return MISSING, b""
+    try:
+        if os.fstat(fd).st_size != size:
+            return DAMAGED, b""
+        return OK, os.pread(fd, end - offset, offset) if end > offset else b""
+    finally:
+        os.close(fd)
+
+
+def read_many(items: list[tuple[str, int]]) -> list[tuple[int, bytes | OSError]]:
+    """Whole small files in one trip: (status, bytes) each, or (FAILED, the OSError). Three syscalls
+    a file: reading one byte more than the size finds a file of the wrong size without a stat."""
+    results: list[tuple[int, bytes | OSError]] = []
+    append = results.append
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    for path, size in items:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            append((MISSING, b""))
+            continue
+        except OSError as e:
+            append((FAILED, e))
+            continue
+        try:
+            data = os.read(fd, size + 1)
+            if len(data) == size:
+                append((OK, data))
+            elif len(data) > size:
+                append((DAMAGED, b""))
+            else:  # a short read of a regular file is the end of it, unless a signal cut it
+                rest = _read_rest(fd, size - len(data) + 1)
+                append((OK, data + rest) if len(data) + len(rest) == size else (DAMAGED, b""))
+        except OSError as e:
+            append((FAILED, e))
+        finally:
+            os.close(fd)
+    return results
+
+
+def _read_rest(fd: int, wanted: int) -> bytes:
+    parts = []
+    while wanted > 0:
+        chunk = os.read(fd, wanted)
+        if not chunk:
+            break
+        parts.append(chunk)
+        wanted -= len(chunk)
+    return b"".join(parts)
+
+
+def read_file(path: str) -> bytes | None:
+    """A whole file (an action entry), or None if it is not there."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def open_range(path: str, size: int, offset: int, length: int, end: int) -> tuple[int, int | None, bytes]:
+    """Open, check the size, read the first chunk, all in one hop; keep the fd only if more remains."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return MISSING, None, b""
+    try:
+        if os.fstat(fd).st_size != size:
+            os.close(fd)
+            return DAMAGED, None, b""
+        data = os.pread(fd, length, offset) if length else b""
+    except BaseException:
+        os.close(fd)
+        raise
+    if len(data) < length or offset + length >= end:
+        os.close(fd)
+        return OK, None, data
+    return OK, fd, data
+
+
+def close_opened(cf: concurrent.futures.Future[Any]) -> None:
+    """Done-callback for an open_range that finished after its caller was cancelled: close the fd."""
+    if not cf.cancelled() and cf.exception() is None:
+        fd = cf.result()[1]
+        if fd is not None:
+            os.close(fd)
+
+
+class TempFile:
+    """A write in progress. Its methods run in worker threads, one at a time (except that
+    `digest_part` and `append` may overlap: they touch disjoint state)."""
+
+    __slots__ = ("directory", "path", "fd", "hasher")
+
+    def __init__(self, directory: str, hasher: Hasher | None) -> None:
+        self.directory = directory
+        self.path: str | None = None
+        self.fd: int | None = None
+        self.hasher = hasher
+
+    def write(self, parts: list[bytes]) -> None:
+        data = self.digest_part(parts)
+        self.append(data)
+
+    def digest_part(self, parts: list[bytes]) -> bytes:
+        """Join and hash the next part (never touches the file: may run beside `append`)."""
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.hasher is not None and data:
+            self.hasher.update(data)
+        return data
+
+    def append(self, data: bytes) -> None:
+        """Write the next part (never touches the hasher: may run beside `digest_part`)."""
+        if self.fd is None:
+            path = os.path.join(self.directory, secrets.token_hex(12) + ".tmp")
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            self.path = path
+        if data:
+            write_all(self.fd, data)
+
+    def finish(self, parts: list[bytes], sync: bool = False) -> str | None:
+        """Write the rest, close (fsync first if `sync`); return the hex digest."""
+        self.write(parts)
+        assert self.fd is not None
+        if sync:
+            os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        return self.hasher.hexdigest() if self.hasher is not None else None
+
+    def abort(self, *pending: concurrent.futures.Future[Any] | None) -> None:
+        """Remove the temp file; first wait for work still running on it, so the fd is never reused."""
+        running = [cf for cf in pending if cf is not None]
+        if running:
+            concurrent.futures.wait(running)
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        if self.path is not None:
+            unlink_quiet(self.path)
+            self.path = None
+
+
+def replace_durably(tmp_dir: str, final: str, parts: list[bytes]) -> None:
+    """Write `parts` to a temp file, fsync it, rename it over `final` and fsync the directory."""
+    tmp = TempFile(tmp_dir, None)
+    try:
+        tmp.finish(parts, sync=True)
+        assert tmp.path is not None
+        os.replace(tmp.path, final)
+        tmp.path = None
+        fsync_dir(os.path.dirname(final))
+    finally:
+        tmp.abort(None)

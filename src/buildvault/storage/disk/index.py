@@ -1,0 +1,167 @@
+"""The in-memory index: what is stored, in LRU order, and the space it uses or is promised.
+
+Index memory: one dict, key = the layout's byte key, value = the last-access second, an int
+object shared by every entry touched in the same second. Dict order is the LRU order (touch =
+pop and re-insert). That is ~130 bytes per blob, where an OrderedDict would be ~190. Deleting
+from the front of a dict leaves holes the next scan walks over, so eviction frees a little slack
+(max_size/1024) at a time instead of one blob per write.
+
+Recency is kept here and persisted in the snapshot, not derived from atime/mtime: atime is
+usually off (noatime/relatime), and keeping mtime current would cost a metadata write per read.
+
+Space: `used` counts published entries, `reserved` bytes promised to writes in progress
+(`Reservation`); `used + reserved` never exceeds max_size once eviction has run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+
+from buildvault.storage.disk.accache import AcCache
+from buildvault.storage.disk.layout import AC_TAG, cas_size, dir_id
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    """What the metrics endpoint and the /status page show about the disk tier."""
+
+    used_bytes: int
+    max_bytes: int
+    blob_count: int
+    ac_entries: int
+    evictions_total: int
+    lru_age_seconds: float  # age of the least recently used entry: how long an item survives
+
+
+class Index:
+    """Keys in LRU order with their last access, AC sizes, and the space accounting.
+
+    Event-loop side only. `clock` gives the wall clock in seconds (injectable for tests).
+    """
+
+    __slots__ = (
+        "entries",
+        "ac_sizes",
+        "ac_cache",
+        "max_size",
+        "slack",
+        "used",
+        "reserved",
+        "evictions",
+        "ac_published",
+        "unsynced",
+        "tracking",
+        "clock",
+        "_tick",
+    )
+
+    def __init__(self, max_size: int, clock: Callable[[], float] = time.time) -> None:
+        self.entries: dict[bytes, int] = {}  # key -> last access (unix seconds); order = LRU order
+        self.ac_sizes: dict[bytes, int] = {}  # AC sizes are not in their keys (entries get replaced)
+        self.ac_cache = AcCache()
+        self.max_size = max_size
+        # Evicting a little more than needed keeps front-of-dict scans rare (see module docstring).
+        self.slack = min(max_size // 1024, 64 << 20)
+        self.used = 0  # bytes of published entries
+        self.reserved = 0  # bytes promised to writes in progress
+        self.evictions = 0
+        self.ac_published = 0  # AC publishes so far: a read that raced one is not cached
+        self.unsynced = False  # something was published since the last sync point
+        self.tracking: set[bytes] | None = None  # dirs whose entries changed during a checkpoint
+        self.clock = clock
+        self._tick = int(clock())
+
+    def load(self, entries: dict[bytes, int], ac_sizes: dict[bytes, int], used: int) -> None:
+        self.entries, self.ac_sizes, self.used = entries, ac_sizes, used
+
+    def now(self) -> int:
+        """Current second, as one int object shared by all entries touched within it."""
+        now = int(self.clock())
+        if now != self._tick:
+            self._tick = now
+        return self._tick
+
+    def touch(self, key: bytes) -> None:
+        """A use: move to the most recently used end."""
+        entries = self.entries
+        del entries[key]
+        entries[key] = self.now()
+
+    def entry_size(self, key: bytes) -> int:
+        if key[0] == AC_TAG:
+            return self.ac_sizes[key]
+        return cas_size(key)
+
+    def forget(self, key: bytes) -> int:
+        """Drop an entry from the index, the accounting and the AC cache; return its size."""
+        size = self.entry_size(key)
+        del self.entries[key]
+        if self.ac_sizes.pop(key, None) is not None:
+            self.ac_cache.discard(key)
+        self.used -= size
+        if self.tracking is not None:
+            self.tracking.add(dir_id(key))
+        return size
+
+    def indexed(self, key: bytes, reservation: Reservation) -> None:
+        """The entry's file is in place: index it, turning its reservation into used bytes."""
+        if key in self.entries:
+            self.forget(key)
+        size = reservation.size
+        reservation.release()
+        self.entries[key] = self.now()
+        if key[0] == AC_TAG:
+            self.ac_sizes[key] = size
+            self.ac_published += 1
+        self.used += size
+        self.unsynced = True
+        if self.tracking is not None:
+            self.tracking.add(dir_id(key))
+
+    def evict(self, need: int, busy: Container[bytes]) -> list[bytes]:
+        """Forget least recently used entries (skipping `busy` ones) until `need` bytes are freed;
+        return them: their files are the caller's to delete."""
+        victims: list[bytes] = []
+        freed = 0
+        for key in self.entries:
+            if freed >= need:
+                break
+            if key in busy:  # an AC entry being replaced is about to become the newest
+                continue
+            victims.append(key)
+            freed += self.entry_size(key)
+        for key in victims:
+            self.forget(key)
+        self.evictions += len(victims)
+        return victims
+
+    def stats(self) -> DiskStats:
+        age = 0.0
+        if self.entries:
+            age = max(0.0, self.clock() - self.entries[next(iter(self.entries))])
+        return DiskStats(
+            used_bytes=self.used,
+            max_bytes=self.max_size,
+            blob_count=len(self.entries) - len(self.ac_sizes),
+            ac_entries=len(self.ac_sizes),
+            evictions_total=self.evictions,
+            lru_age_seconds=age,
+        )
+
+
+class Reservation:
+    """Bytes promised to one write. Publishing turns them into used bytes in the same step, so
+    `used + reserved` never counts a blob twice; release() is idempotent for every other exit."""
+
+    __slots__ = ("index", "size")
+
+    def __init__(self, index: Index, size: int) -> None:
+        self.index = index
+        self.size = size
+        index.reserved += size
+
+    def release(self) -> None:
+        self.index.reserved -= self.size
+        self.size = 0

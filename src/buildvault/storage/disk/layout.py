@@ -1,0 +1,250 @@
+"""Where each entry lives on disk and how it is keyed in memory.
+
+Layout under the store's root:
+
+    cas/<fn>/<hh>/<hash>-<size>                  CAS blobs (fn: sha256 | blake3, hh: first two hex digits)
+    ac/<kind>/<instance...>/@<fn>/<hh>/<hash>    action entries; '@' never appears in a namespace
+                                                 segment, so no namespace can shadow another's files
+    tmp/<random>.tmp                             writes in progress (same filesystem: one atomic rename)
+    index.lru                                    the index snapshot (snapshot.py)
+    SYNC                                         the last sync point (durability.py)
+    LOCK                                         flock'ed by the one process using the root
+
+Index keys (bytes, so one dict entry is small): a CAS key is the digest-function byte, the raw
+32-byte hash and a 6-byte size (39 bytes); an AC key is b"A", the namespace, a NUL, the function
+byte and the raw hash. A directory id names a leaf directory the same way (see `dir_id`).
+This module owns that encoding, the mapping from keys to paths, and the parsing of leaf
+directory listings back into keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from pathlib import Path
+
+from buildvault.digest import Digest, DigestFunction, InvalidDigest
+
+FN_BYTE = {fn: bytes([fn.wire]) for fn in DigestFunction}
+FN_BY_BYTE = {fn.wire: fn for fn in DigestFunction}
+SIZE_BYTES = 6  # 256 TiB: more than any disk cache; keeps a key at 39 bytes (a 72-byte object)
+MAX_BLOB = 1 << (8 * SIZE_BYTES)
+AC_TAG = ord("A")  # first byte of AC keys; CAS keys start with a digest-function wire number (1 or 9)
+SHARDS = tuple(f"{i:02x}" for i in range(256))
+SHARD_SET = frozenset(SHARDS)
+SEGMENT = re.compile(r"[A-Za-z0-9_.\-]+")
+# A directory modified this recently when its mtime is read may change again within the same
+# filesystem clock tick without its mtime changing: such a directory is not trusted (snapshot.py).
+RACY_NS = 1_000_000_000
+
+# dir id -> (path, mtime in ns, or -1 when modified too recently to be trusted)
+LeafDirs = dict[bytes, tuple[str, int]]
+
+
+def is_ac(key: bytes) -> bool:
+    return key[0] == AC_TAG
+
+
+def kind_of(key: bytes) -> str:
+    """The kind of an AC key's namespace ("ac", "raw", ...): its first segment."""
+    namespace = key[1 : key.index(b"\x00")].decode()
+    return namespace.split("/", 1)[0]
+
+
+def check_namespace(namespace: str) -> None:
+    """Raise InvalidDigest unless every segment is a plain name (no path can escape the root)."""
+    for segment in namespace.split("/"):
+        if segment in (".", "..") or not SEGMENT.fullmatch(segment):
+            raise InvalidDigest(f"invalid action namespace {namespace[:100]!r}")
+
+
+def cas_key(digest: Digest) -> bytes:
+    """Index key: function byte + raw hash + size. Raises InvalidDigest for a malformed hash."""
+    try:
+        raw = bytes.fromhex(digest.hash)
+    except (ValueError, TypeError):
+        raw = b""
+    if len(raw) != 32 or not 0 <= digest.size_bytes < MAX_BLOB:
+        raise InvalidDigest(f"invalid digest {digest}")
+    return FN_BYTE[digest.function] + raw + digest.size_bytes.to_bytes(SIZE_BYTES, "big")
+
+
+def cas_size(key: bytes) -> int:
+    """The blob size a CAS key carries."""
+    return int.from_bytes(key[33:], "big")
+
+
+def dir_id(key: bytes) -> bytes:
+    """The leaf directory of an entry: function byte + first hash byte (CAS), or AC prefix + first hash byte."""
+    return key[:2] if key[0] != AC_TAG else key[:-31]
+
+
+class Layout:
+    """The paths of one store root (computed once: `path` is on every hot path)."""
+
+    __slots__ = ("root", "cas_dir", "ac_dir", "tmp_dir", "snapshot_path", "sync_path", "lock_path")
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cas_dir = str(root / "cas")
+        self.ac_dir = str(root / "ac")
+        self.tmp_dir = str(root / "tmp")
+        self.snapshot_path = str(root / "index.lru")
+        self.sync_path = str(root / "SYNC")
+        self.lock_path = str(root / "LOCK")
+
+    def path(self, key: bytes) -> str:
+        """The file of an index key."""
+        if key[0] == AC_TAG:
+            hex_hash = key[-32:].hex()
+            namespace = key[1:-34].decode()
+            label = FN_BY_BYTE[key[-33]].label
+            return f"{self.ac_dir}/{namespace}/@{label}/{hex_hash[:2]}/{hex_hash}"
+        hex_hash = key[1:33].hex()
+        return f"{self.cas_dir}/{FN_BY_BYTE[key[0]].label}/{hex_hash[:2]}/{hex_hash}-{cas_size(key)}"
+
+    def shard_dir(self, function: DigestFunction, hex_hash: str) -> str:
+        """The CAS leaf directory a blob with this hash lives in."""
+        return f"{self.cas_dir}/{function.label}/{hex_hash[:2]}"
+
+
+class AcKeys:
+    """AC index keys, with validated namespaces remembered (a namespace is checked once, not per call)."""
+
+    __slots__ = ("_prefixes",)
+
+    def __init__(self) -> None:
+        self._prefixes: dict[str, bytes] = {}  # validated namespace -> key prefix
+
+    def key(self, namespace: str, digest: Digest) -> bytes:
+        """Raises InvalidDigest for a bad namespace or hash."""
+        cached = self._prefixes.get(namespace)
+        if cached is None:
+            check_namespace(namespace)
+            if len(self._prefixes) > 10_000:
+                self._prefixes.clear()
+            cached = self._prefixes[namespace] = b"A" + namespace.encode() + b"\x00"
+        try:
+            raw = bytes.fromhex(digest.hash)
+        except (ValueError, TypeError):
+            raw = b""
+        if len(raw) != 32:
+            raise InvalidDigest(f"invalid digest {digest}")
+        return cached + FN_BYTE[digest.function] + raw
+
+
+def key_of_name(leaf: bytes, name: str) -> bytes | None:
+    """The key of file `name` in the leaf directory `leaf` (a dir id), or None if it is no entry's name."""
+    if leaf[0] == AC_TAG:
+        try:
+            raw = bytes.fromhex(name)
+        except ValueError:
+            return None
+        return leaf[:-1] + raw if len(raw) == 32 else None
+    hex_hash, _, size_text = name.partition("-")
+    try:
+        raw = bytes.fromhex(hex_hash)
+        size = int(size_text)
+    except ValueError:
+        return None
+    if len(raw) != 32 or not 0 <= size < MAX_BLOB:
+        return None
+    return leaf[:1] + raw + size.to_bytes(SIZE_BYTES, "big")
+
+
+def scan_cas_dir(path: str, fn_byte: bytes, shard: str) -> tuple[list[tuple[bytes, int, str]], int]:
+    """Parse `<hash>-<size>` names: (key, size, name) for each entry, and the count of stray files."""
+    found = []
+    strays = 0
+    for name in os.listdir(path):
+        hex_hash, _, size_text = name.partition("-")
+        try:
+            raw = bytes.fromhex(hex_hash)
+            size = int(size_text)
+        except ValueError:
+            strays += 1
+            continue
+        canonical = raw.hex() == hex_hash and str(size) == size_text
+        if len(raw) != 32 or not canonical or not hex_hash.startswith(shard) or size >= MAX_BLOB:
+            strays += 1
+            continue
+        found.append((fn_byte + raw + size.to_bytes(SIZE_BYTES, "big"), size, name))
+    return found, strays
+
+
+def scan_ac_dir(path: str, prefix: bytes) -> tuple[list[tuple[bytes, int, str]], int]:
+    """Parse `<hash>` names of one AC leaf directory (sizes need a stat: entries are replaced in place)."""
+    shard = os.path.basename(path)
+    found = []
+    strays = 0
+    for name in os.listdir(path):
+        try:
+            raw = bytes.fromhex(name)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32 or raw.hex() != name or not name.startswith(shard):
+            strays += 1
+            continue
+        found.append((prefix + raw, os.stat(path + "/" + name).st_size, name))
+    return found, strays
+
+
+def sizes_named(directory: str, hex_hash: str) -> list[int]:
+    """Sizes in the `<hash>-<size>` names of one CAS shard directory for this hash."""
+    prefix = hex_hash + "-"
+    sizes = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        if name.startswith(prefix):
+            with contextlib.suppress(ValueError):
+                sizes.append(int(name[len(prefix) :]))
+    return sizes
+
+
+def leaf_dirs(layout: Layout, racy_ns: int) -> LeafDirs:
+    """Every leaf directory as dir id -> (path, mtime_ns); -1 when modified within `racy_ns` of now.
+
+    Creates missing CAS shard directories. Lists only the upper AC levels, never leaf contents.
+    Runs in a worker thread.
+    """
+    now = time.time_ns()
+    dirs: LeafDirs = {}
+
+    def add(dir_id: bytes, path: str) -> None:
+        mtime = os.stat(path).st_mtime_ns
+        dirs[dir_id] = (path, -1 if mtime > now - racy_ns else mtime)
+
+    for fn in DigestFunction:
+        base = os.path.join(layout.cas_dir, fn.label)
+        for shard in SHARDS:
+            path = base + "/" + shard
+            try:
+                add(FN_BYTE[fn] + bytes.fromhex(shard), path)
+            except FileNotFoundError:
+                os.makedirs(path, exist_ok=True)
+                add(FN_BYTE[fn] + bytes.fromhex(shard), path)
+
+    def walk(path: str, segments: list[str]) -> None:
+        with os.scandir(path) as entries:
+            children = [entry for entry in entries if entry.is_dir(follow_symlinks=False)]
+        for child in children:
+            if child.name.startswith("@") and segments:
+                try:
+                    fn_byte = FN_BYTE[DigestFunction.from_label(child.name[1:])]
+                except InvalidDigest:
+                    continue
+                prefix = b"A" + "/".join(segments).encode() + b"\x00" + fn_byte
+                with os.scandir(child.path) as shards:
+                    for shard in shards:
+                        if shard.name in SHARD_SET and shard.is_dir(follow_symlinks=False):
+                            add(prefix + bytes.fromhex(shard.name), shard.path)
+            elif SEGMENT.fullmatch(child.name) and child.name not in (".", ".."):
+                walk(child.path, [*segments, child.name])
+
+    walk(layout.ac_dir, [])
+    return dirs

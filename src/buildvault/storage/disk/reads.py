@@ -1,0 +1,170 @@
+"""The read paths: ranged reads, whole-blob batches, lookup by hash alone, action entries.
+
+A read raises NotFound before producing any byte. Small blobs are read whole in a coalesced
+trip and no file stays open; larger ones keep the fd (an evicted blob stays readable) and are
+read one chunk ahead. A file found damaged (wrong size) is deleted and reported missing, one
+found gone is dropped from the index: the client uploads it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
+from buildvault.storage.disk import fileops, layout
+from buildvault.storage.disk.chunks import FileChunks, WholeChunks
+from buildvault.storage.disk.core import Core
+from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
+from buildvault.storage.disk.writes import SMALL_OP
+
+
+class Reader:
+    """Reads of one store (event-loop side; file work in the pool)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self._sizes: dict[bytes, int] = {}  # recent hash-only lookups: function byte + raw hash -> size
+
+    async def read(self, digest: Digest, offset: int, limit: int) -> AsyncIterator[bytes]:
+        core = self.core
+        core.check_open()
+        try:
+            key = cas_key(digest)
+        except InvalidDigest:
+            raise NotFound(f"blob {digest} not found") from None
+        if key not in core.index.entries:
+            raise NotFound(f"blob {digest} not found")
+        size = digest.size_bytes
+        if offset < 0 or offset > size or limit < 0:
+            raise InvalidRange(f"read offset {offset}/limit {limit} out of range for blob {digest}")
+        end = size if limit == 0 else min(size, offset + limit)
+        core.index.touch(key)
+        path = core.layout.path(key)
+        first = min(CHUNK_SIZE, end - offset)
+        fd: int | None = None
+        try:
+            if size <= SMALL_OP:  # whole, in a coalesced trip; no file stays open
+                status, data = await core.ops.submit(fileops.read_small, (path, size, offset, end))
+            else:
+                cf = core.executor.submit(fileops.open_range, path, size, offset, first, end)
+                try:
+                    status, fd, data = await asyncio.wrap_future(cf)
+                except asyncio.CancelledError:
+                    cf.add_done_callback(fileops.close_opened)
+                    raise
+        except OSError as e:
+            raise fileops.storage_error(e, f"reading {digest}") from e
+        if status == fileops.DAMAGED:
+            core.drop_damaged(key)
+        elif status == fileops.MISSING:
+            core.drop_missing(key)
+        if status != fileops.OK:
+            raise NotFound(f"blob {digest} not found")
+        if len(data) != first:
+            raise StorageError(f"blob {digest} is shorter on disk than its size")
+        if fd is None:
+            return WholeChunks(data)
+        return FileChunks(core.executor, fd, data, offset + len(data), end, str(digest))
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        """Whole blobs (BatchReadBlobs): every small one in one coalesced operation, the rest one by one."""
+        core = self.core
+        core.check_open()
+        results: list[bytes | Exception | None] = [None] * len(digests)
+        entries = core.index.entries
+        now = core.index.now()
+        fromhex = bytes.fromhex
+        cas_dir = core.layout.cas_dir
+        batch: list[tuple[str, int]] = []
+        where: list[tuple[int, bytes, Digest]] = []
+        singles: list[int] = []
+        for i, digest in enumerate(digests):
+            hex_hash, size, function = digest.hash, digest.size_bytes, digest.function
+            try:
+                key = FN_BYTE[function] + fromhex(hex_hash) + size.to_bytes(SIZE_BYTES, "big")
+            except (ValueError, TypeError, OverflowError):
+                key = b""
+            if len(key) != 39 or entries.pop(key, None) is None:
+                results[i] = NotFound(f"blob {digest} not found")
+                continue
+            entries[key] = now  # read: a use
+            if size > SMALL_OP:
+                singles.append(i)
+            else:
+                batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", size))
+                where.append((i, key, digest))
+        if batch:
+            found = await core.ops.submit(fileops.read_many, (batch,), 0)
+            for (i, key, digest), (status, data) in zip(where, found, strict=True):
+                if status == fileops.OK:
+                    results[i] = data
+                    continue
+                if isinstance(data, OSError):  # status FAILED
+                    results[i] = fileops.storage_error(data, f"reading {digest}")
+                    continue
+                if status == fileops.DAMAGED:
+                    core.drop_damaged(key)
+                elif status == fileops.MISSING:
+                    core.drop_missing(key)
+                results[i] = NotFound(f"blob {digests[i]} not found")
+        for i in singles:
+            try:
+                results[i] = b"".join([chunk async for chunk in await self.read(digests[i], 0, 0)])
+            except StorageError as e:
+                results[i] = e
+        return results  # type: ignore[return-value]  # every slot was filled above
+
+    async def lookup(self, function: DigestFunction, hex_hash: str) -> Digest:
+        """A stored blob by hash alone: the size from a small memo, else from the names in the
+        blob's shard directory (one listing, in the pool), confirmed by the index."""
+        core = self.core
+        core.check_open()
+        try:
+            raw = bytes.fromhex(hex_hash)
+        except (ValueError, TypeError):
+            raw = b""
+        if len(raw) != 32 or raw.hex() != hex_hash:
+            raise NotFound(f"blob {function.label}:{str(hex_hash)[:64]} not found")
+        prefix = FN_BYTE[function] + raw
+        entries = core.index.entries
+        size = self._sizes.get(prefix)
+        if size is None or prefix + size.to_bytes(SIZE_BYTES, "big") not in entries:
+            directory = core.layout.shard_dir(function, hex_hash)
+            try:
+                sizes = await core.ops.submit(layout.sizes_named, (directory, hex_hash))
+            except OSError as e:
+                raise fileops.storage_error(e, f"looking up {hex_hash}") from e
+            stored = (n for n in sizes if 0 <= n < MAX_BLOB and prefix + n.to_bytes(SIZE_BYTES, "big") in entries)
+            size = next(stored, None)
+            if size is None:
+                raise NotFound(f"blob {function.label}:{hex_hash} not found")
+            if len(self._sizes) >= 1 << 16:
+                self._sizes.clear()
+            self._sizes[prefix] = size
+        return Digest(hex_hash, size, function)
+
+    async def get_entry(self, namespace: str, digest: Digest) -> bytes:
+        core = self.core
+        core.check_open()
+        index = core.index
+        key = core.ac_keys.key(namespace, digest)
+        if key not in index.entries:
+            raise NotFound(f"no entry for {digest} in {namespace!r}")
+        index.touch(key)
+        cached = index.ac_cache.get(key)
+        if cached is not None:
+            return cached
+        published = index.ac_published
+        data: bytes | None
+        try:
+            data = await core.ops.submit(fileops.read_file, (core.layout.path(key),))
+        except OSError as e:
+            raise fileops.storage_error(e, f"reading {namespace!r} entry {digest}") from e
+        if data is None:
+            core.drop_missing(key)
+            raise NotFound(f"no entry for {digest} in {namespace!r}")
+        if published == index.ac_published and key in index.entries and key not in core.publishing:
+            index.ac_cache.put(key, data)  # no entry was replaced meanwhile: this is the current one
+        return data

@@ -1,0 +1,148 @@
+"""Start-up: lock the root, clear leftover temp files, re-verify after a crash, rebuild the index.
+
+The index comes from the snapshot plus the leaf directories that changed since it was taken
+(none after a clean close; after a crash, those written since the last checkpoint). The size is
+in CAS file names, so those listings rebuild entries without a stat; only files unknown to the
+snapshot are stat'ed, to place them by mtime (up to STAT_ORDER_LIMIT of them). A crash thus
+costs the recency of recent reads only. Everything here runs in a worker thread.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from buildvault.storage import StorageError
+from buildvault.storage.disk import durability, fileops, layout
+from buildvault.storage.disk.layout import AC_TAG, Layout, cas_size, dir_id, scan_ac_dir, scan_cas_dir
+from buildvault.storage.disk.snapshot import read_snapshot
+
+log = logging.getLogger("buildvault.storage.disk")
+
+# Files the snapshot does not know are stat'ed to order them by mtime, up to this many: beyond it
+# (a lost snapshot of a big store) a cold stat per file would keep the cache down for minutes.
+STAT_ORDER_LIMIT = 100_000
+
+
+@dataclass
+class Loaded:
+    """The rebuilt index, and what it took (DiskStorage.load_info)."""
+
+    entries: dict[bytes, int]
+    ac_sizes: dict[bytes, int]
+    used: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def lock_root(where: Layout) -> int:
+    """Make the directories and take the root's flock; the fd holds it. StorageError if taken."""
+    for directory in (str(where.root), where.cas_dir, where.ac_dir, where.tmp_dir):
+        os.makedirs(directory, exist_ok=True)
+    fd = os.open(where.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StorageError(f"{where.root} is in use by another buildvault process") from None
+    return fd
+
+
+def clear_temp_files(where: Layout) -> int:
+    """Remove what writes in progress left in tmp/; return how many there were."""
+    stale = 0
+    for entry in os.scandir(where.tmp_dir):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            fileops.unlink_quiet(entry.path)
+        stale += 1
+    return stale
+
+
+def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
+    """Verify what an unclean shutdown may have torn, then rebuild the index (see the module docstring)."""
+    started = time.perf_counter()
+    stale = clear_temp_files(where)
+    dirs = layout.leaf_dirs(where, 0)
+    marker = durability.read_sync_marker(where.sync_path)
+    verified = damaged = 0
+    if marker is not None and not marker[0]:
+        verified, damaged = durability.verify_since(dirs, marker[1] - durability.SYNC_MARGIN_NS, validate)
+        if damaged:
+            dirs = layout.leaf_dirs(where, 0)
+    interned: dict[int, int] = {}
+    index: dict[bytes, int] = {}
+    ac_sizes: dict[bytes, int] = {}
+    used = 0
+    snapshot = read_snapshot(where.snapshot_path)
+    if snapshot is not None:
+        keys, ticks, ac_pairs, used, recorded = snapshot
+        index = dict(zip(keys, map(interned.setdefault, ticks, ticks), strict=True))
+        ac_sizes = dict(ac_pairs)
+        del keys, ticks, ac_pairs, snapshot
+        trusted = {d for d, (_path, mtime) in dirs.items() if mtime != -1 and recorded.get(d) == mtime}
+        fast = len(trusted) == len(dirs) and recorded.keys() <= dirs.keys()
+    else:
+        trusted, fast = set(), False
+    from_snapshot = len(index)
+    extras: list[tuple[bytes, int, str]] = []  # (key, size, path): on disk, not in the snapshot
+    strays = stat_calls = 0
+    scanned = [d for d in dirs if d not in trusted]
+    if not fast:
+        # Entries of untrusted directories stay in place (keeping their LRU position) only if found.
+        suspects = {key for key in index if dir_id(key) not in trusted}
+        for leaf in scanned:
+            path = dirs[leaf][0]
+            if leaf[0] == AC_TAG:
+                found, bad = scan_ac_dir(path, leaf[:-1])
+            else:
+                found, bad = scan_cas_dir(path, leaf[:1], leaf[1:].hex())
+            strays += bad
+            for key, size, name in found:
+                if key in suspects:
+                    suspects.discard(key)
+                    if key[0] == AC_TAG:
+                        used += size - ac_sizes[key]
+                        ac_sizes[key] = size
+                elif key not in index:
+                    extras.append((key, size, path + "/" + name))
+        for key in suspects:  # in the snapshot, gone from disk
+            del index[key]
+            used -= ac_sizes.pop(key) if key[0] == AC_TAG else cas_size(key)
+        from_snapshot = len(index)
+        if len(extras) <= STAT_ORDER_LIMIT:
+            stat_calls = len(extras)
+            timed = sorted((os.stat(file).st_mtime_ns, key, size) for key, size, file in extras)
+        else:
+            log.warning(
+                "%s: no usable LRU snapshot for %d files; they start in directory order", where.root, len(extras)
+            )
+            now_ns = time.time_ns()
+            timed = [(now_ns, key, size) for key, size, _file in extras]
+        for mtime_ns, key, size in timed:
+            tick = mtime_ns // 1_000_000_000
+            index[key] = interned.setdefault(tick, tick)
+            used += size
+            if key[0] == AC_TAG:
+                ac_sizes[key] = size
+    if strays:
+        log.warning("%s: ignored %d files that are not store entries", where.root, strays)
+    info = {
+        "seconds": time.perf_counter() - started,
+        "entries": len(index),
+        "from_snapshot": from_snapshot,
+        "dirs": len(dirs),
+        "scanned_dirs": 0 if fast else len(scanned),
+        "stat_calls": stat_calls,
+        "stale_temp_files": stale,
+        "stray_files": strays,
+        "clean_shutdown": marker is None or marker[0],
+        "verified": verified,
+        "damaged": damaged,
+    }
+    return Loaded(index, ac_sizes, used, info)

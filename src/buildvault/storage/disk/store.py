@@ -1,0 +1,342 @@
+"""The disk store itself: `DiskStorage` (open, close, checkpoints, sync points, observables) and
+its two faces, `DiskBlobStore` (the CAS) and `DiskActionStore` (action entries), which share one
+size cap and one LRU.
+
+The hot paths, the on-disk layout and durability are described in the modules that own them
+(writes, reads, findmissing, coalescer; layout; durability, snapshot, startup) and in
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from buildvault.digest import Digest, DigestFunction
+from buildvault.storage import StorageError
+from buildvault.storage.disk import findmissing, layout, snapshot, startup
+from buildvault.storage.disk.accache import AcCache
+from buildvault.storage.disk.core import Core
+from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
+from buildvault.storage.disk.index import DiskStats
+from buildvault.storage.disk.reads import Reader
+from buildvault.storage.disk.writes import Writer
+
+log = logging.getLogger("buildvault.storage.disk")
+
+
+class DiskStorage:
+    """The local content-addressed store. Use `await DiskStorage.open()`; one process per root.
+
+    Writes are acknowledged once renamed into place (no fsync each); every `sync_interval`
+    seconds, if anything changed, the filesystem is synced and the sync point recorded. The index
+    snapshot is written every `checkpoint_interval` seconds and by close().
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        max_size: int,
+        *,
+        checkpoint_interval: float | None = 600.0,
+        max_workers: int | None = None,
+        sync_interval: float | None = SYNC_INTERVAL,
+        validate_entry: EntryValidator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = Path(root)
+        self.max_size = max_size
+        self.checkpoint_interval = checkpoint_interval
+        self.sync_interval = sync_interval
+        self._validate = validate_entry or opaque_entry_is_intact
+        self._core = Core(self.root, max_size, max_workers, clock)
+        self._writer = Writer(self._core)
+        self._reader = Reader(self._core)
+        self._syncer = Syncer(self._core.layout, self._core.index)
+        self._lock_fd: int | None = None
+        self._checkpointer: asyncio.Task[None] | None = None
+        self._checkpointing = asyncio.Lock()  # one checkpoint at a time
+        self._closed = False
+        self.load_info: dict[str, Any] = {}
+        self.cas = DiskBlobStore(self)
+        self.ac = DiskActionStore(self)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        root: Path | str,
+        max_size: int,
+        *,
+        checkpoint_interval: float | None = 600.0,
+        max_workers: int | None = None,
+        sync_interval: float | None = SYNC_INTERVAL,
+        validate_entry: EntryValidator | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> DiskStorage:
+        """Lock `root`, clear leftover temp files and rebuild the index, all off the event loop.
+
+        After an unclean shutdown, entries changed since the last sync point are verified first:
+        blobs by size and hash, action entries by `validate_entry(kind, data)` where kind is the
+        namespace's kind ("ac", "raw"); without a validator every entry must only be non-empty and
+        not zero-filled. `clock` is the wall clock (seconds) the LRU ages are kept in.
+        """
+        storage = cls(
+            root,
+            max_size,
+            checkpoint_interval=checkpoint_interval,
+            max_workers=max_workers,
+            sync_interval=sync_interval,
+            validate_entry=validate_entry,
+            clock=clock,
+        )
+        core = storage._core
+        try:
+            loaded = await core.io(storage._load, what=f"opening {root}")
+        except BaseException:
+            core.executor.shutdown(wait=False)
+            storage._syncer.shutdown_now()
+            if storage._lock_fd is not None:
+                os.close(storage._lock_fd)
+                storage._lock_fd = None
+            raise
+        core.index.load(loaded.entries, loaded.ac_sizes, loaded.used)
+        storage.load_info = loaded.info
+        if loaded.used > max_size:  # the cap was lowered since the last run
+            await core.settle_all(core.evict(loaded.used - max_size))
+        if checkpoint_interval:
+            storage._checkpointer = asyncio.create_task(storage._checkpoint_loop(checkpoint_interval))
+        if sync_interval:
+            storage._syncer.start(sync_interval)
+        return storage
+
+    def _load(self) -> startup.Loaded:
+        started = time.perf_counter()
+        where = self._core.layout
+        self._lock_fd = startup.lock_root(where)
+        loaded = startup.rebuild_index(where, self._validate)
+        loaded.info["seconds"] = time.perf_counter() - started
+        # What was found is on disk now (a killed process leaves it in the page cache only):
+        # the new sync point also says "running", so a crash from here on is unclean.
+        self._syncer.mark(time.time_ns(), False)
+        return loaded
+
+    async def close(self) -> None:
+        """Refuse new work, finish publishes and deletions, write the snapshot, release the directory.
+
+        Call it once the servers have stopped: a write still streaming may fail (its temp file is
+        removed at the next start).
+        """
+        core = self._core
+        if core.closing:
+            return
+        core.closing = True
+        try:
+            if self._checkpointer is not None:
+                self._checkpointer.cancel()
+                await asyncio.gather(self._checkpointer, return_exceptions=True)
+            await self._syncer.stop()
+            await asyncio.gather(
+                *core.tasks, *core.publishing.values(), *core.deleting.values(), return_exceptions=True
+            )
+            try:
+                await self._checkpoint(quiesced=True)
+            except StorageError as e:
+                log.warning("could not write the index snapshot: %s", e)
+            try:
+                await self._syncer.mark_clean()  # everything is on disk: the next start verifies nothing
+            except OSError as e:
+                log.warning("could not record the clean shutdown: %s", e)
+        finally:
+            self._closed = True
+            await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
+
+    def _shutdown(self) -> None:
+        self._core.executor.shutdown(wait=True)
+        self._syncer.shutdown()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def abandon(self) -> None:
+        """Stop at once, as a killed process would: no snapshot, no last sync, no clean-shutdown
+        record; the directory is released and the next open recovers (fault drills and tests)."""
+        core = self._core
+        core.closing = True
+        if self._checkpointer is not None:
+            self._checkpointer.cancel()
+        self._syncer.abandon()
+        core.executor.shutdown(wait=True)
+        self._release_lock()
+        self._closed = True
+
+    async def __aenter__(self) -> DiskStorage:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- snapshot and sync points ----------------------------------------------------------
+
+    async def checkpoint(self) -> None:
+        """Persist the index and LRU order (snapshot.py); copying the keys is the only event-loop work."""
+        await self._checkpoint(quiesced=False)
+
+    async def _checkpoint(self, *, quiesced: bool) -> None:
+        if self._closed:
+            raise StorageError("disk store is closed")
+        core = self._core
+        index = core.index
+        async with self._checkpointing:
+            keys, ticks = list(index.entries), list(index.entries.values())
+            ac_sizes, used = list(index.ac_sizes.items()), index.used
+            dirty = core.dirs_in_flight()
+            index.tracking = dirty  # index changes from now until the directories are stat'ed
+            try:
+                racy_ns = 0 if quiesced else layout.RACY_NS
+                dirs = await core.io(layout.leaf_dirs, core.layout, racy_ns, what="reading directory times")
+            finally:
+                index.tracking = None
+            dirty |= core.dirs_in_flight()
+            recorded = {dir_id: -1 if dir_id in dirty else mtime for dir_id, (_path, mtime) in dirs.items()}
+            await core.io(
+                snapshot.write_snapshot,
+                core.layout.tmp_dir,
+                core.layout.snapshot_path,
+                keys,
+                ticks,
+                ac_sizes,
+                used,
+                recorded,
+                what="writing the LRU snapshot",
+            )
+
+    async def _checkpoint_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.checkpoint()
+            except StorageError as e:
+                log.warning("could not write the LRU snapshot: %s", e)
+
+    async def sync(self) -> None:
+        """Make every write acknowledged so far durable, and record the sync point."""
+        if self._closed:
+            raise StorageError("disk store is closed")
+        await self._syncer.sync()
+
+    # -- observables -----------------------------------------------------------------------
+
+    def stats(self) -> DiskStats:
+        return self._core.index.stats()
+
+    @property
+    def synced_at(self) -> int | None:
+        """The last sync point recorded in SYNC (wall clock ns): every change before it is on disk."""
+        return self._syncer.synced_at
+
+    @property
+    def sync_rounds(self) -> int:
+        """How often the periodic syncer has woken up (it syncs only if something changed)."""
+        return self._syncer.rounds
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes promised to writes in progress."""
+        return self._core.index.reserved
+
+    @property
+    def in_flight(self) -> int:
+        """Renames, unlinks and publishes under way."""
+        return self._core.in_flight()
+
+    @property
+    def pool_trips(self) -> int:
+        """Work items handed to the worker pool so far (coalesced trips count once)."""
+        return self._core.executor.trips
+
+    @property
+    def ac_memory(self) -> AcCache:
+        """The action entries held in memory (len, nbytes; clear() makes the next get read the file)."""
+        return self._core.index.ac_cache
+
+    async def wait_idle(self) -> None:
+        """Return once every rename, unlink and publish started so far has finished."""
+        await self._core.wait_idle()
+
+    def entry_paths(self) -> list[str]:
+        """The file of every indexed entry, least recently used first (O(entries): for checks, not
+        for request paths)."""
+        path = self._core.layout.path
+        return [path(key) for key in self._core.index.entries]
+
+    def path_of(self, digest: Digest) -> str:
+        """Where the blob `digest` is (or would be) stored."""
+        return self._core.layout.path(layout.cas_key(digest))
+
+
+class DiskBlobStore:
+    """BlobStore over a DiskStorage (CAS half). Get one from `DiskStorage.open(...).cas`."""
+
+    def __init__(self, storage: DiskStorage) -> None:
+        self.storage = storage
+        self._core = storage._core
+        self._reader = storage._reader
+        self._writer = storage._writer
+
+    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        """In-memory only: no syscalls. Hits count as uses (they are about to be referenced)."""
+        return findmissing.find_missing(self._core.index, digests)
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        """find_missing for parallel lists of hex hashes and sizes (no Digest objects: FindMissingBlobs'
+        hot path): the positions of the absent ones, first occurrences only, in order."""
+        self._core.check_open()
+        return findmissing.missing_indices(self._core.index, function, hashes, sizes)
+
+    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
+        return await self._reader.read(digest, offset, limit)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        """Whole blobs, each its bytes or its error (NotFound...): small ones in one pool trip."""
+        return await self._reader.read_blobs(digests)
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        """Verify and publish atomically. An already stored blob returns at once, leaving `chunks` unread."""
+        await self._writer.write(digest, chunks)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """Store whole blobs, each verified: None or the error, each. Small ones in one pool trip."""
+        return await self._writer.write_blobs(items)
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        return await self._reader.lookup(function, hash)
+
+    def stats(self) -> DiskStats:
+        return self.storage.stats()
+
+
+class DiskActionStore:
+    """ActionStore over a DiskStorage (AC half): own subtree, same cap and LRU as the CAS."""
+
+    def __init__(self, storage: DiskStorage) -> None:
+        self.storage = storage
+        self._reader = storage._reader
+        self._writer = storage._writer
+
+    async def get(self, namespace: str, digest: Digest) -> bytes:
+        return await self._reader.get_entry(namespace, digest)
+
+    async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
+        await self._writer.put_entry(namespace, digest, data)

@@ -1,0 +1,369 @@
+"""The write path of CAS blobs and action entries: reserve, receive, verify, publish.
+
+Entries up to SMALL_OP bytes are gathered in memory and verified, written and renamed in one
+coalesced operation; larger ones stream into a temp file in WRITE_BATCH batches, one batch hashed
+while the previous one is written. Either way a blob becomes visible only once verified, by one
+atomic rename, and a failed or cancelled write leaves nothing behind. Once the rename is under
+way it completes and is indexed even if the caller is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import AsyncIterable, Sequence
+from typing import Any
+
+from buildvault.digest import Digest, InvalidDigest, new_hasher
+from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, StorageFull, single_chunk
+from buildvault.storage.disk import fileops
+from buildvault.storage.disk.core import Core
+from buildvault.storage.disk.index import Reservation
+from buildvault.storage.disk.layout import AC_TAG, cas_key
+
+log = logging.getLogger("buildvault.storage.disk")
+
+# Incoming chunks are gathered to this size before one thread hop hashes and writes them:
+# Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
+WRITE_BATCH = 1 << 20
+# Blobs and entries up to this size are written and read whole, and their file operations are
+# coalesced (coalescer.py).
+SMALL_OP = WRITE_BATCH
+
+
+class Writer:
+    """Writes of one store (event-loop side; file work in the pool)."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        core = self.core
+        core.check_open()
+        size = digest.size_bytes
+        if size > core.index.max_size:
+            raise CapacityExceeded(f"blob {digest} is larger than the store's {core.index.max_size} bytes")
+        key = cas_key(digest)
+        if key in core.index.entries:
+            # Already stored and verified when it was written: do not read the stream at all.
+            core.index.touch(key)
+            return
+        await self._store(key, digest, size, chunks, digest, replace=False)
+
+    async def put_entry(self, namespace: str, digest: Digest, data: bytes) -> None:
+        core = self.core
+        core.check_open()
+        key = core.ac_keys.key(namespace, digest)
+        data = bytes(data)
+        await self._store(key, None, len(data), data, f"{namespace!r} entry {digest}", replace=True)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """Whole blobs (BatchUpdateBlobs). The common case (small, new, room without evicting,
+        no other write of the same blob in flight) is reserved and claimed here and written in one
+        coalesced operation; any other goes the one-by-one way. Like _store_small, a submitted
+        write completes and is indexed even if the caller is cancelled."""
+        core = self.core
+        core.check_open()
+        index = core.index
+        entries = index.entries
+        publishing = core.publishing
+        outcomes: list[Exception | None] = [None] * len(items)
+        batch: list[tuple[str, str, bytes, Digest | None]] = []
+        claimed: list[tuple[int, bytes, Reservation, asyncio.Future[None]]] = []
+        others: list[int] = []
+        contended: set[int] = set()
+        loop = asyncio.get_running_loop()
+        tmp_dir, path = core.layout.tmp_dir, core.layout.path
+        for i, (digest, data) in enumerate(items):
+            size = digest.size_bytes
+            try:
+                key = cas_key(digest)
+            except InvalidDigest as e:
+                outcomes[i] = e
+                continue
+            if key in entries:
+                index.touch(key)  # stored and verified already: the bytes need not be read
+                continue
+            if key in publishing or key in core.deleting:
+                contended.add(i)  # e.g. the same blob twice in one batch: these bytes get checked too
+                others.append(i)
+                continue
+            if len(data) != size or size > SMALL_OP or index.used + index.reserved + size > index.max_size:
+                others.append(i)
+                continue
+            reservation = Reservation(index, size)
+            done: asyncio.Future[None] = loop.create_future()
+            publishing[key] = done
+            batch.append((tmp_dir, path(key), bytes(data), digest))
+            claimed.append((i, key, reservation, done))
+        if batch:
+            future = core.ops.submit(fileops.write_many, (batch,), sum(len(item[2]) for item in batch))
+
+            def finished(future: asyncio.Future[list[Exception | None]]) -> None:
+                results = None if future.cancelled() else (future.exception() or future.result())
+                for n, (i, key, reservation, done) in enumerate(claimed):
+                    error = results if isinstance(results, BaseException) else None if results is None else results[n]
+                    try:
+                        if results is not None and error is None:
+                            index.indexed(key, reservation)
+                        else:
+                            outcomes[i] = error if isinstance(error, Exception) else StorageError("write abandoned")
+                    finally:
+                        reservation.release()
+                        del publishing[key]
+                        done.set_result(None)
+
+            future.add_done_callback(finished)
+            await asyncio.shield(future)
+            for i, *_rest in claimed:
+                error = outcomes[i]
+                if isinstance(error, OSError):
+                    outcomes[i] = fileops.storage_error(error, f"writing {items[i][0]}")
+        if others:
+
+            async def one(i: int) -> Exception | None:
+                digest, data = items[i]
+                try:
+                    if i in contended and len(data) == digest.size_bytes <= SMALL_OP:
+                        await core.ops.submit(fileops.check_hash, (bytes(data), digest))
+                    await self.write(digest, single_chunk(data))
+                    return None
+                except Exception as e:  # that blob's outcome
+                    return e
+
+            for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others)), strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    async def _reserve(self, size: int, what: object) -> Reservation:
+        """Promise `size` bytes to a write, evicting first, so the total on disk stays under max_size."""
+        core = self.core
+        core.check_open()
+        index = core.index
+        if size > index.max_size:
+            raise CapacityExceeded(f"{what} ({size} bytes) is larger than the store's {index.max_size} bytes")
+        if index.reserved + size > index.max_size:
+            raise StorageFull(f"no room for {what}: writes in progress hold the space")
+        deletions: list[asyncio.Future[None]] = []
+        over = index.used + index.reserved + size - index.max_size
+        if over > 0:
+            deletions = core.evict(over + index.slack)
+            if index.used + index.reserved + size > index.max_size:
+                raise StorageFull(f"no room for {what}: writes in progress hold the space")
+        reservation = Reservation(index, size)
+        try:
+            await core.settle_all(deletions)  # let the space really be free before writing
+        except BaseException:
+            reservation.release()
+            raise
+        return reservation
+
+    async def _store(
+        self,
+        key: bytes,
+        digest: Digest | None,
+        size: int,
+        chunks: AsyncIterable[bytes] | bytes,
+        what: object,
+        *,
+        replace: bool,
+    ) -> None:
+        """Reserve, receive into a temp file, publish: the one write path of CAS and AC.
+
+        Entries up to SMALL_OP bytes are gathered first and take the coalesced path instead.
+        """
+        reservation = await self._reserve(size, what)
+        if size <= SMALL_OP:
+            try:
+                if isinstance(chunks, bytes):
+                    data = chunks
+                else:
+                    parts, total = [], 0
+                    async for chunk in chunks:
+                        total += len(chunk)
+                        if total > size:
+                            raise DigestMismatch(f"blob {what}: more than the declared {size} bytes")
+                        parts.append(chunk)
+                    if total != size:
+                        raise DigestMismatch(f"blob {what}: got {total} bytes, declared {size}")
+                    data = parts[0] if len(parts) == 1 else b"".join(parts)
+                data = bytes(data)
+            except BaseException:
+                reservation.release()
+                raise
+            await self._store_small(key, digest, data, reservation, what, replace=replace)
+            return
+        try:
+            temp = await self._receive(digest, size, chunks, what)
+        except BaseException:
+            reservation.release()
+            raise
+        await self._publish(key, temp, reservation, replace=replace)
+
+    async def _receive(
+        self, digest: Digest | None, size: int, chunks: AsyncIterable[bytes] | bytes, what: object
+    ) -> str:
+        """Stream into a temp file in batches, verifying size and hash; return its path.
+
+        On any failure (mismatch, ENOSPC, an error from the iterator, cancellation) the temp file is
+        gone before this returns.
+        """
+        executor = self.core.executor
+        temp = fileops.TempFile(self.core.layout.tmp_dir, new_hasher(digest.function) if digest is not None else None)
+        # A pipeline of two workers: batch N is hashed while batch N-1 is written (each about
+        # as costly as the other), while the event loop receives batch N+1.
+        hashed: concurrent.futures.Future[Any] | None = None  # -> the joined bytes of the batch
+        written: concurrent.futures.Future[Any] | None = None
+        pending: concurrent.futures.Future[Any] | None = None
+        try:
+            if isinstance(chunks, bytes):
+                parts = [chunks]
+            else:
+                parts, buffered, total = [], 0, 0
+                async for chunk in chunks:
+                    n = len(chunk)
+                    if not n:
+                        continue
+                    total += n
+                    if total > size:
+                        raise DigestMismatch(f"blob {what}: more than the declared {size} bytes")
+                    parts.append(chunk)
+                    buffered += n
+                    if buffered >= WRITE_BATCH:
+                        if hashed is not None:
+                            data = await _wait_io(hashed, what)
+                            if written is not None:
+                                await _wait_io(written, what)
+                            written = executor.submit(temp.append, data)
+                        hashed = executor.submit(temp.digest_part, parts)
+                        parts, buffered = [], 0
+                if total != size:
+                    raise DigestMismatch(f"blob {what}: got {total} bytes, declared {size}")
+                if hashed is not None:
+                    data = await _wait_io(hashed, what)
+                    hashed = None
+                    if written is not None:
+                        await _wait_io(written, what)
+                    written = executor.submit(temp.append, data)
+                if written is not None:
+                    await _wait_io(written, what)
+                    written = None
+            pending = executor.submit(temp.finish, parts)
+            actual = await _wait_io(pending, what)
+            pending = None
+            if digest is not None and actual != digest.hash:
+                raise DigestMismatch(f"blob {what}: content hashes to {actual}")
+            assert temp.path is not None
+            return temp.path
+        except BaseException:
+            await self.core.settle(executor.submit(temp.abort, pending, hashed, written))
+            raise
+
+    async def _publish(self, key: bytes, temp: str, reservation: Reservation, *, replace: bool) -> None:
+        """Rename a verified temp file into place and index it; owns `temp` and `reservation`."""
+        core = self.core
+        duplicate = False
+        try:
+            duplicate = not await self._claim(key, replace)  # False: a concurrent writer got there first
+        except BaseException:
+            duplicate = True
+            raise
+        finally:
+            if duplicate:
+                reservation.release()
+                await core.settle(core.executor.submit(fileops.unlink_quiet, temp))
+        if duplicate:
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        core.publishing[key] = done
+        task = asyncio.ensure_future(self._rename_and_index(key, temp, reservation, done))
+        core.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        await asyncio.shield(task)
+
+    def _task_done(self, task: asyncio.Future[Any]) -> None:
+        self.core.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("publish failed: %s", task.exception())
+
+    async def _rename_and_index(
+        self, key: bytes, temp: str, reservation: Reservation, done: asyncio.Future[None]
+    ) -> None:
+        core = self.core
+        final = core.layout.path(key)
+        try:
+            try:
+                await core.io(fileops.rename, temp, final, what=f"publishing {final}")
+            except BaseException:
+                await core.settle(core.executor.submit(fileops.unlink_quiet, temp))
+                raise
+            core.index.indexed(key, reservation)
+        finally:
+            reservation.release()
+            del core.publishing[key]
+            done.set_result(None)
+
+    async def _claim(self, key: bytes, replace: bool) -> bool:
+        """Wait until no rename or unlink of `key` is in flight. False: a CAS entry that another
+        writer published meanwhile (touched; nothing to do)."""
+        core = self.core
+        while True:
+            if not replace and key in core.index.entries:
+                core.index.touch(key)
+                return False
+            other = core.publishing.get(key) or core.deleting.get(key)
+            if other is None:
+                return True
+            if other.done():  # finished, its clean-up callback not yet run: awaiting would not yield
+                if core.deleting.get(key) is other:
+                    del core.deleting[key]
+                continue
+            with contextlib.suppress(Exception):  # only waiting for the slot; its outcome is re-checked
+                await asyncio.shield(other)
+
+    async def _store_small(
+        self, key: bytes, digest: Digest | None, data: bytes, reservation: Reservation, what: object, *, replace: bool
+    ) -> None:
+        """Verify, write and publish a small entry in one coalesced operation; owns `reservation`.
+        Once submitted, the operation completes and is indexed even if the caller is cancelled."""
+        core = self.core
+        try:
+            if not await self._claim(key, replace):
+                reservation.release()
+                if digest is not None:  # published by a concurrent writer: still, these bytes must be right
+                    await core.ops.submit(fileops.check_hash, (data, digest))
+                return
+        except BaseException:
+            reservation.release()
+            raise
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        core.publishing[key] = done
+        index = core.index
+
+        def finished(future: asyncio.Future[None]) -> None:
+            try:
+                if not future.cancelled() and future.exception() is None:
+                    index.indexed(key, reservation)
+                    if key[0] == AC_TAG:
+                        index.ac_cache.put(key, data)
+            finally:
+                reservation.release()
+                del core.publishing[key]
+                done.set_result(None)
+
+        args = (core.layout.tmp_dir, core.layout.path(key), data, digest)
+        future = core.ops.submit(fileops.write_small, args, len(data))
+        future.add_done_callback(finished)
+        try:
+            await asyncio.shield(future)
+        except OSError as e:
+            raise fileops.storage_error(e, f"writing {what}") from e
+
+
+async def _wait_io(cf: concurrent.futures.Future[Any], what: object) -> Any:
+    try:
+        return await asyncio.wrap_future(cf)
+    except OSError as e:
+        raise fileops.storage_error(e, f"writing {what}") from e
