@@ -19,6 +19,11 @@ PACKAGES=(
   make
   libc6-dev
   ninja-build       # the CMake generator the launcher tests and bench use
+  podman            # tests/container: builds and runs docker/Dockerfile
+  runc              # tests/container: podman's runtime (crun fails on these hosts' cgroups)
+  debootstrap       # tests/container: the local Debian base image (registries are unreachable)
+  docker-compose    # tests/container: `docker-compose config` validates docker/compose.yml
+  chromium          # tests/integration/test_admin_status_page.py: the status page, headless
 )
 
 missing=()

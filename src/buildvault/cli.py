@@ -76,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
     )
     add_settings_flags(serve)
+    health = commands.add_parser(
+        "healthcheck",
+        help="exit 0 if the local server's /healthz answers (the container HEALTHCHECK)",
+        description="GET /healthz on the server's HTTP address (settings as for serve; wildcard host: loopback).",
+    )
+    health.add_argument(
+        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
+    )
+    health.add_argument("--http-address", dest="http_address", metavar="HOST:PORT", default=None)
     return parser
 
 
@@ -126,7 +135,7 @@ async def serve(settings: Settings, grace: float = SHUTDOWN_GRACE) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "serve":
+    if args.command not in ("serve", "healthcheck"):
         parser.print_help(sys.stderr)
         return 2
     try:
@@ -134,7 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"buildvault: {e}", file=sys.stderr)
         return 2
-    logs.configure(settings.log_level)
+    if args.command == "healthcheck":
+        from buildvault.admin import healthcheck
+
+        return healthcheck.run(settings.http_address)
+    logs.configure(settings.log_level, fmt=settings.log_format)
     return asyncio.run(serve(settings))
 
 

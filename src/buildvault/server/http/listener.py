@@ -99,6 +99,7 @@ def create_app(
         ("/status.html", pages.status_html),
         ("/", pages.status_html),
         ("/metrics", pages.metrics_text),
+        ("/healthz", pages.healthz),
     ):
         app.router.add_get(route, page)  # answers HEAD too
     app.router.add_route("*", "/{tail:.*}", handlers.handle)

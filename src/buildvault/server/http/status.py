@@ -73,6 +73,11 @@ class StatusPages:
             "GitCommit": self.version,
         }
 
+    async def healthz(self, request: web.Request) -> web.Response:
+        """200 `ok` while the server runs (the container healthcheck's target)."""
+        request[REQUEST_KIND] = "status"
+        return web.Response(text="ok\n")
+
     async def status_json(self, request: web.Request) -> web.Response:
         request[REQUEST_KIND] = "status"
         return web.json_response(await self.status_document(), dumps=lambda d: json.dumps(d, indent=2) + "\n")
