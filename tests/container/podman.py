@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 INSTALL_HINT = "run scripts/install-system-deps.sh (podman, runc, debootstrap)"
 
-BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+BASE_PACKAGES = ("python3", "python3-venv")
 BASE_CACHE = Path(os.environ.get("BUILDVAULT_TEST_IMAGE_CACHE", "/var/tmp/buildvault-test-images"))
 
 # crun fails on these hosts' cgroups; runc with explicit ulimits works.
