@@ -158,7 +158,7 @@ def entry_references(bucket: Bucket, entry: Obj) -> set[str]:
     """Blob keys an `ac`-kind entry needs (its Tree blobs' files included); empty for other kinds."""
     relative = entry.key[len(bucket.prefix) :].split("/")
     # ac/<namespace...>/<fn>/<hash>; the namespace's first segment is the kind
-    if len(relative) < 5 or relative[1] != "ac":
+    if len(relative) < 4 or relative[1] != "ac":
         return set()
     function = relative[-2]
     data = bucket.get(entry.key)
