@@ -153,7 +153,8 @@ class Podman:
         for name in ("pyproject.toml", "README.md"):
             shutil.copy2(REPO / name, context / name)
         shutil.copytree(REPO / "src", context / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        args = ["build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}", "-f", str(DOCKERFILE), "-t", tag]
+        # docker format: the OCI image format has no HEALTHCHECK (podman drops it).
+        args = ["build", "--format", "docker", "--network", "host", "--build-arg", f"BASE_IMAGE={base}", "-f", str(DOCKERFILE), "-t", tag]
         index = pip_setting("index-url")
         if index.startswith(("http://", "https://")):
             args += ["--build-arg", f"PIP_INDEX={index}"]
