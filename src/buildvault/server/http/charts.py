@@ -12,16 +12,17 @@ from collections.abc import Sequence
 from buildvault.server.history import Sample
 
 WIDTH, HEIGHT, PAD = 360, 120, 28
+LEFT = 52  # room for the y-axis labels
 COLORS = ("#2b7bb9", "#d9822b", "#888")
 
 
 def _points(values: Sequence[float], top: float) -> str:
     n = len(values)
     span = max(top, 1e-9)
-    step = (WIDTH - 2 * PAD) / max(1, n - 1)
+    step = (WIDTH - LEFT - PAD) / max(1, n - 1)
     inner = HEIGHT - 2 * PAD
     base = HEIGHT - PAD
-    return " ".join(f"{PAD + i * step:.1f},{base - inner * min(v, span) / span:.1f}" for i, v in enumerate(values))
+    return " ".join(f"{LEFT + i * step:.1f},{base - inner * min(v, span) / span:.1f}" for i, v in enumerate(values))
 
 
 def line_chart(title: str, series: Sequence[tuple[str, Sequence[float]]], unit: str, top: float | None = None) -> str:
@@ -40,11 +41,11 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[float]]], unit: 
     return (
         f'<figure class="chart"><svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
         f'viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{html.escape(title)}">'
-        f'<text x="{PAD}" y="16" font-size="12" font-weight="600">{html.escape(title)}</text>'
+        f'<text x="{LEFT}" y="16" font-size="12" font-weight="600">{html.escape(title)}</text>'
         f'<text x="{WIDTH - PAD}" y="16" font-size="11" text-anchor="end">{legend}</text>'
-        f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" stroke="#ccc"/>'
-        f'<text x="{PAD - 4}" y="{PAD + 4}" font-size="10" text-anchor="end">{html.escape(_short(peak, unit))}</text>'
-        f'<text x="{PAD - 4}" y="{HEIGHT - PAD}" font-size="10" text-anchor="end">0</text>'
+        f'<line x1="{LEFT}" y1="{HEIGHT - PAD}" x2="{WIDTH - PAD}" y2="{HEIGHT - PAD}" stroke="#ccc"/>'
+        f'<text x="{LEFT - 4}" y="{PAD + 4}" font-size="10" text-anchor="end">{html.escape(_short(peak, unit))}</text>'
+        f'<text x="{LEFT - 4}" y="{HEIGHT - PAD}" font-size="10" text-anchor="end">0</text>'
         + "".join(lines)
         + "</svg></figure>"
     )
