@@ -42,7 +42,7 @@ def image(podman: Podman, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture
 def bazel_workspace_factory(tmp_path: Path) -> Iterator[Callable[[str], BazelWorkspace]]:
     """``make(name) -> BazelWorkspace`` under tmp_path; their Bazel servers are shut down afterwards."""
-    required_tools.require_bazel()
+    required_tools.find_tool("bazel")  # fails (does not skip) when Bazel is missing
     created: list[BazelWorkspace] = []
 
     def make(name: str) -> BazelWorkspace:
