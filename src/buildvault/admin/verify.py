@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -112,17 +113,27 @@ def entry_files(root: Path) -> Iterator[tuple[str, str, DigestFunction]]:
             subdirs.clear()
 
 
+_buffers = threading.local()
+
+
 def blob_is_intact(blob: BlobFile) -> bool | None:
     """True if the content matches its name, False if not, None if the file vanished."""
     hasher = new_hasher(blob.function)
     size = 0
-    buffer = bytearray(READ_CHUNK)
-    view = memoryview(buffer)
     try:
         with open(blob.path, "rb", buffering=0) as stream:
-            while read := stream.readinto(buffer):
-                hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
-                size += read
+            if blob.size <= READ_CHUNK:  # one read; a size mismatch still shows in `size`
+                data = stream.read(READ_CHUNK + 1)
+                hasher.update(data)
+                size = len(data)
+            else:
+                buffer = getattr(_buffers, "buffer", None)
+                if buffer is None:  # one buffer per hashing thread, not one per blob
+                    buffer = _buffers.buffer = bytearray(READ_CHUNK)
+                view = memoryview(buffer)
+                while read := stream.readinto(buffer):
+                    hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
+                    size += read
     except FileNotFoundError:
         return None
     return size == blob.size and hasher.hexdigest() == blob.hash
