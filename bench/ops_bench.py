@@ -58,7 +58,7 @@ def bench_verify(mib: int) -> dict[str, object]:
 
 
 def bench_gc(objects: int) -> dict[str, object]:
-    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.core.models import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
     from moto.server import ThreadedMotoServer
 
