@@ -154,7 +154,7 @@ class Podman:
             shutil.copy2(REPO / name, context / name)
         shutil.copytree(REPO / "src", context / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         # docker format: the OCI image format has no HEALTHCHECK (podman drops it).
-        args = ["build", "--format", "docker", "--network", "host", "--build-arg", f"BASE_IMAGE={base}"]
+        args = ["build", "--format", "docker", "--force-rm", "--network", "host", "--build-arg", f"BASE_IMAGE={base}"]
         args += ["-f", str(DOCKERFILE), "-t", tag]
         index = pip_setting("index-url")
         if index.startswith(("http://", "https://")):
