@@ -23,6 +23,11 @@ PACKAGES=(
   apache2-utils     # htpasswd: the auth tests write their htpasswd files with the real tool
   bubblewrap        # bwrap: the remote-execution workers' sandbox (--sandbox auto|bwrap)
   redis-server      # the execution tests' own Redis (scale-out queue), started on a free port
+  podman            # tests/container: builds and runs docker/Dockerfile
+  runc              # tests/container: podman's runtime (crun fails on these hosts' cgroups)
+  debootstrap       # tests/container: the local Debian base image (registries are unreachable)
+  docker-compose    # tests/container: `docker-compose config` validates docker/compose.yml
+  chromium          # tests/integration/test_admin_status_page.py: the status page, headless
 )
 
 missing=()

@@ -34,11 +34,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field; unset flags stay None so lower layers show through."""
+def add_settings_flags(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """One flag per Settings field (whose name starts with `prefix`); unset flags stay None so
+    lower layers show through."""
     from buildvault.config import ENV_PREFIX, Settings
 
     for f in Settings.fields():
+        if not f.name.startswith(prefix):
+            continue
         help_text = f.metadata.get("help", "")
         default = f.default
         if f.name == "dir":
@@ -108,7 +111,67 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", default="", help="worker name (default: host and properties)")
     worker.add_argument("--lease", type=float, default=30.0, metavar="SECONDS",
                         help="a job pending this long without its worker's heartbeat is taken back")  # fmt: skip
+    health = commands.add_parser(
+        "healthcheck",
+        help="exit 0 if the local server's /healthz answers (the container HEALTHCHECK)",
+        description="GET /healthz on the server's HTTP address (settings as for serve; wildcard host: loopback).",
+    )
+    health.add_argument(
+        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
+    )
+    health.add_argument("--http-address", dest="http_address", metavar="HOST:PORT", default=None)
+    _add_admin_commands(commands)
     return parser
+
+
+def _add_admin_commands(commands: Any) -> None:
+    status = commands.add_parser("status", help="size, cap, hit ratio and upload backlog of a running server")
+    status.add_argument("--server", default="http://127.0.0.1:8080", metavar="URL", help="the server's HTTP URL")
+    status.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    verify = commands.add_parser(
+        "verify",
+        help="re-hash every stored blob and check every action entry of a data directory",
+        description="Safe while the server runs. Exit 0: all intact (or repaired), 1: problems found, 2: bad --dir.",
+    )
+    verify.add_argument("--dir", required=True, metavar="DIR", help="the server's data directory")
+    verify.add_argument("--repair", action="store_true", help="remove corrupt blobs and broken or dangling entries")
+    verify.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    from buildvault.config import ENV_PREFIX
+
+    gc = commands.add_parser(
+        "gc",
+        help="delete old action entries and unreferenced blobs from the S3 bucket",
+        description="Deletes expired action entries first, then blobs no remaining entry references.",
+    )
+    gc.add_argument(
+        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
+    )
+    add_settings_flags(gc, prefix="s3_")
+    gc.add_argument("--max-age", metavar="AGE", default=None, help="delete action entries unused this long (30d)")
+    gc.add_argument("--max-size", metavar="SIZE", default=None, help="delete unreferenced blobs until under SIZE")
+    gc.add_argument("--grace", metavar="AGE", default="1h", help="never delete blobs younger than this (default 1h)")
+    gc.add_argument("--dry-run", action="store_true", help="delete nothing; report what would go")
+    gc.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def _run_admin(args: argparse.Namespace) -> int:
+    if args.command == "status":
+        from buildvault.admin import status
+
+        return status.run(args.server, args.json)
+    if args.command == "verify":
+        from buildvault.admin import verify
+
+        return verify.run(args.dir, args.repair, args.json)
+    from buildvault.admin import gc
+    from buildvault.config import ConfigError
+
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as e:
+        print(f"buildvault gc: {e}", file=sys.stderr)
+        return 2
+    return gc.run(settings, args.max_age, args.max_size, args.grace, args.dry_run, args.json)
 
 
 def settings_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
@@ -203,7 +266,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from buildvault.execution.worker.redis_worker import run_worker
 
         return run_worker(args)
-    if args.command != "serve":
+    if args.command in ("status", "verify", "gc"):
+        return _run_admin(args)
+    if args.command not in ("serve", "healthcheck"):
         parser.print_help(sys.stderr)
         return 2
     try:
@@ -211,7 +276,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"buildvault: {e}", file=sys.stderr)
         return 2
-    logs.configure(settings.log_level)
+    if args.command == "healthcheck":
+        from buildvault.admin import healthcheck
+
+        return healthcheck.run(settings.http_address)
+    logs.configure(settings.log_level, fmt=settings.log_format)
     return asyncio.run(serve(settings))
 
 

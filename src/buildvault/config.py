@@ -77,6 +77,7 @@ class Settings:
     grpc_address: str = _setting("127.0.0.1:9092", parse_address, "gRPC listen address (empty: off)", "HOST:PORT")
     http_address: str = _setting("127.0.0.1:8080", parse_address, "HTTP listen address (empty: off)", "HOST:PORT")
     log_level: str = _setting("info", str, "debug, info, warning or error (debug: one JSON line per request)", "LEVEL")
+    log_format: str = _setting("json", str, "json (one object per line, for machines) or text (for people)", "FORMAT")
     # The S3/OBS tier: unset bucket means disk only.
     s3_endpoint: str = _setting("", str, "S3-compatible endpoint URL (empty: AWS default)", "URL")
     s3_bucket: str = _setting("", str, "bucket of the shared object-store tier (empty: disk only)", "NAME")
@@ -140,6 +141,8 @@ class Settings:
             object.__setattr__(self, "dir", default_data_dir())
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError(f"log_level: {self.log_level!r} is not debug, info, warning or error")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format: {self.log_format!r} is not text or json")
         if self.s3_addressing not in ("path", "virtual"):
             raise ConfigError(f"s3_addressing: {self.s3_addressing!r} is not 'path' or 'virtual'")
         if not self.s3_request_budget > 0:

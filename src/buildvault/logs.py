@@ -1,7 +1,10 @@
 """Logging: JSON lines on stderr, one per request at debug; a readable start-up banner at info.
 
-Every record is one JSON object per line (`ts`, `level`, `logger`, `msg` and any structured
-fields), so logs can be grepped by people and parsed by machines. The banner is the exception:
+With format `json` (the default) every record is one JSON object per line (`ts`, `level`,
+`logger`, `msg` and any structured fields: for a request `rpc` (the method), `code` (the
+status), `ms` (the duration), `peer`, and where known `instance`, `bytes`), so logs can be
+parsed by machines. With format `text` the same record is one line for people:
+`<ts> <LEVEL> <logger> <msg> key=value ...`. The banner is the exception to both:
 a few plain lines saying what is listening where. Its first line,
 
     buildvault ready: grpc=127.0.0.1:9092 http=127.0.0.1:8080
@@ -22,6 +25,8 @@ from typing import IO, Any
 BANNER_LOGGER = "buildvault.banner"
 REQUEST_LOGGER = "buildvault.request"
 READY_PREFIX = "buildvault ready:"
+
+LOG_FORMATS = ("text", "json")
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -54,19 +59,40 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, separators=(",", ":"), default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """One readable line per record: time, level, logger, message, then the structured fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        parts = [_timestamp(record.created), record.levelname, record.name, record.getMessage()]
+        fields = getattr(record, "fields", None) or {}
+        parts += [f"{key}={_text_value(value)}" for key, value in fields.items()]
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _text_value(value: Any) -> str:
+    text = str(value)
+    # Quote what would split the line's key=value pairs, so a reader can still cut them apart.
+    return json.dumps(text) if not text or any(c.isspace() or c in "\"=" for c in text) else text
+
+
 def _timestamp(created: float) -> str:
     seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
     return f"{seconds}.{int(created % 1 * 1000):03d}Z"
 
 
-def configure(level: str = "info", stream: IO[str] | None = None) -> None:
-    """Install the JSON handler on the `buildvault` logger tree and the plain banner handler."""
+def configure(level: str = "info", stream: IO[str] | None = None, fmt: str = "json") -> None:
+    """Install the `fmt` (json or text) handler on the `buildvault` logger tree and the plain banner handler."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)}")
     stream = stream or sys.stderr
     root = logging.getLogger("buildvault")
     for handler in list(root.handlers):
         root.removeHandler(handler)
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root.addHandler(handler)
     root.setLevel(_LEVELS.get(level, logging.INFO))
     root.propagate = False

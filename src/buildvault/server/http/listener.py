@@ -108,9 +108,19 @@ def create_app(
         ("/status.html", pages.status_html),
         ("/", pages.status_html),
         ("/metrics", pages.metrics_text),
+        ("/status/history", pages.history_json),
     ):
         app.router.add_get(route, page)  # answers HEAD too
     app.router.add_route("*", "/{tail:.*}", handlers.handle)
+
+    async def start_history(_: web.Application) -> None:
+        pages.history.start()
+
+    async def stop_history(_: web.Application) -> None:
+        await pages.history.stop()
+
+    app.on_startup.append(start_history)
+    app.on_cleanup.append(stop_history)
     return app
 
 

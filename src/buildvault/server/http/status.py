@@ -16,6 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
+from buildvault.server.history import History
+from buildvault.server.http.charts import charts
 from buildvault.server.http.protocol import REQUEST_KIND
 from buildvault.server.metrics import Metrics
 from buildvault.server.services import PinsSource, StatsSource
@@ -33,6 +35,7 @@ class StatusPages:
         self.version = version
         self.stats_source = stats
         self.pins: PinsSource | None = None  # golden versions (server/pins.py)
+        self.history = History(metrics, self.refresh_storage)
 
     async def refresh_storage(self) -> None:
         """Update the storage gauges from the store's stats (if there is a source)."""
@@ -83,7 +86,16 @@ class StatusPages:
 
     async def status_html(self, request: web.Request) -> web.Response:
         request[REQUEST_KIND] = "status"
-        return web.Response(text=render_html(await self.status_document()), content_type="text/html")
+        await self.history.sample(min_gap=1.0)  # the page shows now, not up to one interval ago
+        page = render_html(await self.status_document(), charts(list(self.history.samples)))
+        return web.Response(text=page, content_type="text/html")
+
+    async def history_json(self, request: web.Request) -> web.Response:
+        """`GET /status/history`: the charts' samples, oldest first."""
+        request[REQUEST_KIND] = "status"
+        await self.history.sample(min_gap=1.0)
+        return web.json_response({"interval_seconds": self.history.interval,
+                                  "samples": [s.as_dict() for s in self.history.samples]})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         request[REQUEST_KIND] = "metrics"
@@ -139,8 +151,8 @@ def _execution_rows(execution: dict[str, Any] | None) -> list[tuple[str, Any]]:
     return rows
 
 
-def render_html(doc: dict[str, Any]) -> str:
-    """The status document as a small self-contained HTML page."""
+def render_html(doc: dict[str, Any], charts_html: str = "") -> str:
+    """The status document as a small self-contained HTML page (with the charts' SVG, if given)."""
     hits, misses = doc["ac_hits"], doc["ac_misses"]
     ratio = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "–"
     used, cap = doc["current_size_bytes"], doc["max_size_bytes"]
@@ -168,12 +180,17 @@ def render_html(doc: dict[str, Any]) -> str:
 body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}
 table{{border-collapse:collapse}}th,td{{padding:.3em 1em;border-bottom:1px solid #ddd;text-align:left}}
 th{{font-weight:600;color:#555}}td{{font-variant-numeric:tabular-nums}}
+.charts{{display:flex;flex-wrap:wrap;gap:1em}}.chart{{margin:0;border:1px solid #eee;border-radius:4px}}
 footer{{margin-top:1.5em;color:#777;font-size:.9em}}
 </style></head>
 <body><h1>buildvault</h1>
+<section class="charts">
+{charts_html}
+</section>
 <table>
 {body}
 </table>
-<footer><a href="/status">/status</a> (JSON) · <a href="/metrics">/metrics</a> (Prometheus)</footer>
+<footer><a href="/status">/status</a> (JSON) · <a href="/status/history">/status/history</a> (samples)
+· <a href="/metrics">/metrics</a> (Prometheus)</footer>
 </body></html>
 """

@@ -1,0 +1,295 @@
+"""`buildvault gc --s3-bucket NAME [--max-age 30d] [--max-size SIZE] [--grace 1h] [--dry-run]`:
+bound the object store that bazel-remote-style caches never clean.
+
+In order, so that an interrupted run leaves every remaining action entry complete:
+
+1. list the bucket (under the prefix): action entries `ac/...` and blobs `cas/<fn>/<hash>`;
+2. delete the action entries whose last use (the object's LastModified) is older than
+   `--max-age`;
+3. read the remaining `ac` entries (ActionResults, Tree blobs they name) for the blobs they
+   reference, list the action entries once more and read the ones written since step 1 (a
+   build running beside gc), then delete the blobs no remaining entry references that are older
+   than `--grace` (uploads in flight are never touched), oldest first, until the bucket is under
+   `--max-size` (without it: all of them).
+
+Entries of other kinds (`raw`: ccache's opaque entries) reference no blob and only age out.
+`--dry-run` deletes nothing and reports what would go.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import botocore.exceptions
+from google.protobuf.message import DecodeError
+
+from buildvault.admin.report import Advance, emit, human_bytes, progress
+from buildvault.config import Settings
+from buildvault.remote_apis import re_pb2
+from buildvault.storage.objectstore import normalize_prefix
+from buildvault.storage.objectstore_client import make_s3_client
+
+DELETE_BATCH = 1000  # DeleteObjects' limit
+READ_THREADS = 16
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
+_SCALE = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class GcError(RuntimeError):
+    """gc cannot run; the message names the setting (bucket, endpoint, credentials)."""
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from `90`, `90s`, `15m`, `12h`, `30d`, `2w`."""
+    match = _DURATION.fullmatch(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (examples: 3600, 12h, 30d)")
+    return float(match.group(1)) * _SCALE[match.group(2).lower()]
+
+
+@dataclass(frozen=True, slots=True)
+class Obj:
+    key: str
+    size: int
+    modified: float  # seconds since the epoch
+
+
+@dataclass
+class Plan:
+    """What gc decided (and, unless a dry run, did)."""
+
+    objects: int = 0
+    total_bytes: int = 0
+    expired_entries: list[Obj] = field(default_factory=list)
+    blobs_removed: list[Obj] = field(default_factory=list)
+    referenced_blobs: int = 0
+    unreferenced_in_grace: int = 0
+    deleted: int = 0
+    decide_seconds: float = 0.0
+    seconds: float = 0.0
+
+    def document(self, dry_run: bool) -> dict[str, Any]:
+        freed = sum(o.size for o in self.expired_entries) + sum(o.size for o in self.blobs_removed)
+        return {
+            "dry_run": dry_run,
+            "objects": self.objects,
+            "bytes": self.total_bytes,
+            "expired_entries": len(self.expired_entries),
+            "blobs_removed": len(self.blobs_removed),
+            "referenced_blobs": self.referenced_blobs,
+            "unreferenced_in_grace": self.unreferenced_in_grace,
+            "bytes_freed": freed,
+            "bytes_after": self.total_bytes - freed,
+            "deleted": self.deleted,
+            "decide_seconds": round(self.decide_seconds, 3),
+            "seconds": round(self.seconds, 3),
+            "keys": [o.key for o in self.expired_entries + self.blobs_removed] if dry_run else [],
+        }
+
+
+class Bucket:
+    """The few S3 calls gc makes, each mapping failures to a GcError naming the setting."""
+
+    def __init__(self, settings: Settings) -> None:
+        if not settings.s3_bucket:
+            raise GcError("--s3-bucket: no bucket given")
+        self.name = settings.s3_bucket
+        self.prefix = normalize_prefix(settings.s3_prefix)
+        self.endpoint = settings.s3_endpoint or "the AWS default endpoint"
+        self.client = make_s3_client(settings, max_pool_connections=READ_THREADS, max_attempts=2)
+
+    def _fail(self, e: Exception) -> GcError:
+        if isinstance(e, botocore.exceptions.ClientError):
+            code = e.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchBucket",):
+                return GcError(f"--s3-bucket: bucket {self.name!r} does not exist at {self.endpoint}")
+            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+                where = "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+                return GcError(f"{where}: {code} for bucket {self.name!r}")
+            return GcError(f"--s3-bucket {self.name!r}: {code or e}")
+        if isinstance(e, botocore.exceptions.NoCredentialsError):
+            return GcError("credentials: none found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)")
+        return GcError(f"--s3-endpoint: {self.endpoint} unreachable: {e}")
+
+    def objects(self, under: str) -> Iterator[Obj]:
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=self.prefix + under)
+            for page in pages:
+                for item in page.get("Contents", []):
+                    yield Obj(item["Key"], int(item["Size"]), item["LastModified"].timestamp())
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+            raise self._fail(e) from None
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None if it is gone (deleted meanwhile)."""
+        try:
+            body: bytes = self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
+            return body
+        except botocore.exceptions.ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise self._fail(e) from None
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail(e) from None
+
+    def delete(self, keys: list[str]) -> int:
+        try:
+            response = self.client.delete_objects(
+                Bucket=self.name, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
+            )
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+            raise self._fail(e) from None
+        errors = response.get("Errors", [])
+        if errors:
+            raise GcError(f"--s3-bucket {self.name!r}: delete refused: {errors[0].get('Code')} {errors[0].get('Key')}")
+        return len(keys)
+
+
+def _blob_key(prefix: str, function: str, digest: re_pb2.Digest) -> str | None:
+    return f"{prefix}cas/{function}/{digest.hash}" if digest.hash and digest.size_bytes else None
+
+
+def entry_references(bucket: Bucket, entry: Obj) -> set[str]:
+    """Blob keys an `ac`-kind entry needs (its Tree blobs' files included); empty for other kinds."""
+    relative = entry.key[len(bucket.prefix) :].split("/")
+    # ac/<namespace...>/<fn>/<hash>; the namespace's first segment is the kind
+    if len(relative) < 4 or relative[1] != "ac":
+        return set()
+    function = relative[-2]
+    data = bucket.get(entry.key)
+    if data is None:
+        return set()
+    try:
+        result = re_pb2.ActionResult.FromString(data)
+    except DecodeError:
+        return set()
+    keys: set[str | None] = {_blob_key(bucket.prefix, function, f.digest) for f in result.output_files}
+    keys.add(_blob_key(bucket.prefix, function, result.stdout_digest))
+    keys.add(_blob_key(bucket.prefix, function, result.stderr_digest))
+    for directory in result.output_directories:
+        keys.add(_blob_key(bucket.prefix, function, directory.root_directory_digest))
+        tree_key = _blob_key(bucket.prefix, function, directory.tree_digest)
+        keys.add(tree_key)
+        tree_data = bucket.get(tree_key) if tree_key else None
+        if tree_data is not None:
+            try:
+                tree = re_pb2.Tree.FromString(tree_data)
+            except DecodeError:
+                continue
+            for node in [tree.root, *tree.children]:
+                keys.update(_blob_key(bucket.prefix, function, f.digest) for f in node.files)
+    keys.discard(None)
+    return {k for k in keys if k is not None}
+
+
+def _references(bucket: Bucket, entries: Iterable[Obj], pool: ThreadPoolExecutor, advance: Advance) -> set[str]:
+    found: set[str] = set()
+    for keys in pool.map(lambda e: entry_references(bucket, e), entries):
+        found |= keys
+        advance()
+    return found
+
+
+def collect(
+    settings: Settings,
+    max_age: float | None,
+    max_size: int | None,
+    grace: float,
+    dry_run: bool,
+    show_progress: bool = True,
+    now: Callable[[], float] = time.time,
+) -> Plan:
+    started = time.perf_counter()
+    bucket = Bucket(settings)
+    plan = Plan()
+    with progress("listing", None, show_progress) as advance:
+        entries, blobs = [], []
+        for obj in bucket.objects(""):
+            advance()
+            relative = obj.key[len(bucket.prefix) :]
+            if relative.startswith("ac/"):
+                entries.append(obj)
+            elif relative.startswith("cas/"):
+                blobs.append(obj)
+    plan.objects = len(entries) + len(blobs)
+    plan.total_bytes = sum(o.size for o in entries) + sum(o.size for o in blobs)
+    listed_at = now()
+    cutoff = listed_at - max_age if max_age is not None else None
+    plan.expired_entries = [e for e in entries if cutoff is not None and e.modified < cutoff]
+    expired = {e.key for e in plan.expired_entries}
+    kept = [e for e in entries if e.key not in expired]
+    if not dry_run:
+        plan.deleted += _delete(bucket, [e.key for e in plan.expired_entries], show_progress, "expired entries")
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        with progress("reading entries", len(kept), show_progress) as advance:
+            referenced = _references(bucket, kept, pool, advance)
+        # A build beside gc writes entries after our listing: read those too before any blob goes.
+        seen = {e.key: e.modified for e in entries}
+        fresh = [e for e in bucket.objects("ac/") if seen.get(e.key) != e.modified]
+        with progress("reading new entries", len(fresh), show_progress) as advance:
+            referenced |= _references(bucket, fresh, pool, advance)
+    plan.referenced_blobs = sum(1 for b in blobs if b.key in referenced)
+    young = listed_at - grace
+    unreferenced = sorted((b for b in blobs if b.key not in referenced), key=lambda b: b.modified)
+    candidates = [b for b in unreferenced if b.modified < young]
+    plan.unreferenced_in_grace = len(unreferenced) - len(candidates)
+    remaining = plan.total_bytes - sum(e.size for e in plan.expired_entries)
+    for blob in candidates:
+        if max_size is not None and remaining <= max_size:
+            break
+        plan.blobs_removed.append(blob)
+        remaining -= blob.size
+    plan.decide_seconds = time.perf_counter() - started
+    if not dry_run:
+        plan.deleted += _delete(bucket, [b.key for b in plan.blobs_removed], show_progress, "unreferenced blobs")
+    plan.seconds = time.perf_counter() - started
+    return plan
+
+
+def _delete(bucket: Bucket, keys: list[str], show_progress: bool, label: str) -> int:
+    deleted = 0
+    with progress(f"deleting {label}", len(keys), show_progress) as advance:
+        for start in range(0, len(keys), DELETE_BATCH):
+            batch = keys[start : start + DELETE_BATCH]
+            deleted += bucket.delete(batch)
+            advance(len(batch))
+    return deleted
+
+
+def summary(plan: Plan, dry_run: bool) -> str:
+    doc = plan.document(dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    return (
+        f"{plan.objects} objects ({human_bytes(plan.total_bytes)}) listed and decided in {doc['decide_seconds']}s: "
+        f"{verb} {len(plan.expired_entries)} expired action entries and {len(plan.blobs_removed)} unreferenced "
+        f"blobs ({human_bytes(doc['bytes_freed'])}); kept {plan.referenced_blobs} referenced blobs and "
+        f"{plan.unreferenced_in_grace} in their grace period; {human_bytes(doc['bytes_after'])} remain"
+    )
+
+
+def run(
+    settings: Settings, max_age: str | None, max_size: str | None, grace: str, dry_run: bool, as_json: bool
+) -> int:
+    """Exit 0 done, 1 the bucket refused or could not be reached, 2 bad input."""
+    from buildvault.config import parse_size
+
+    try:
+        age = parse_duration(max_age) if max_age is not None else None
+        size = parse_size(max_size) if max_size is not None else None
+        grace_seconds = parse_duration(grace)
+    except ValueError as e:
+        print(f"buildvault gc: {e}", file=sys.stderr)
+        return 2
+    try:
+        plan = collect(settings, age, size, grace_seconds, dry_run, show_progress=not as_json)
+    except GcError as e:
+        print(f"buildvault gc: {e}", file=sys.stderr)
+        return 1 if settings.s3_bucket else 2
+    emit(summary(plan, dry_run), plan.document(dry_run), as_json)
+    return 0

@@ -1,0 +1,285 @@
+"""`buildvault verify --dir DIR [--repair] [--json]`: re-hash every blob of a disk store and
+check every action entry.
+
+Reported: corrupt blobs (content does not match the `<hash>-<size>` name), broken action
+entries (empty, zero-filled, or kind `ac` not an ActionResult) and dangling ones (an
+ActionResult naming a blob the store does not hold intact). `--repair` removes them: entries
+first, then blobs, so an interrupted repair never leaves an entry pointing at a removed blob.
+
+Safe beside a running server: it only reads, files are replaced by atomic renames (a file read
+half-way through a replacement is the old inode, whole), and a file that vanishes meanwhile
+(evicted) is skipped. Before removing anything it checks the file is still the one it read.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import DecodeError
+
+from buildvault.actions import entry_is_intact
+from buildvault.admin.report import emit, human_bytes, progress
+from buildvault.digest import DigestFunction, new_hasher
+from buildvault.remote_apis import re_pb2
+
+READ_CHUNK = 1 << 20
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib and blake3 release the GIL
+
+
+class VerifyError(ValueError):
+    """The store cannot be verified; the message names the setting."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlobFile:
+    path: str
+    function: DigestFunction
+    hash: str
+    size: int
+
+
+@dataclass
+class Findings:
+    blobs: int = 0
+    bytes: int = 0
+    entries: int = 0
+    corrupt_blobs: list[str] = field(default_factory=list)
+    broken_entries: list[str] = field(default_factory=list)
+    dangling_entries: list[str] = field(default_factory=list)
+    vanished: int = 0
+    removed: int = 0
+    seconds: float = 0.0
+
+    @property
+    def problems(self) -> int:
+        return len(self.corrupt_blobs) + len(self.broken_entries) + len(self.dangling_entries)
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "blobs": self.blobs,
+            "bytes": self.bytes,
+            "action_entries": self.entries,
+            "corrupt_blobs": self.corrupt_blobs,
+            "broken_entries": self.broken_entries,
+            "dangling_entries": self.dangling_entries,
+            "vanished": self.vanished,
+            "removed": self.removed,
+            "seconds": round(self.seconds, 3),
+            "mb_per_second": round(self.bytes / 1e6 / self.seconds, 1) if self.seconds else None,
+        }
+
+
+def blob_files(root: Path) -> Iterator[BlobFile]:
+    """Every `cas/<fn>/<hh>/<hash>-<size>` file (names that are no blob's are not listed)."""
+    for function in DigestFunction:
+        base = root / "cas" / function.label
+        if not base.is_dir():
+            continue
+        for shard in sorted(os.listdir(base)):
+            shard_dir = base / shard
+            try:
+                names = os.listdir(shard_dir)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                hex_hash, _, size_text = name.partition("-")
+                if len(hex_hash) == 64 and size_text.isdigit() and hex_hash.startswith(shard):
+                    yield BlobFile(f"{shard_dir}/{name}", function, hex_hash, int(size_text))
+
+
+def entry_files(root: Path) -> Iterator[tuple[str, str, DigestFunction]]:
+    """(path, kind, digest function) of every action entry under `ac/<kind>/<instance...>/@<fn>/<hh>/`."""
+    ac_dir = root / "ac"
+    if not ac_dir.is_dir():
+        return
+    for directory, subdirs, files in os.walk(ac_dir):
+        relative = Path(directory).relative_to(ac_dir).parts
+        if len(relative) >= 3 and relative[-2].startswith("@"):
+            try:
+                function = DigestFunction.from_label(relative[-2][1:])
+            except ValueError:
+                continue
+            for name in files:
+                if len(name) == 64:
+                    yield f"{directory}/{name}", relative[0], function
+            subdirs.clear()
+
+
+_buffers = threading.local()
+
+
+def blob_is_intact(blob: BlobFile) -> bool | None:
+    """True if the content matches its name, False if not, None if the file vanished."""
+    hasher = new_hasher(blob.function)
+    size = 0
+    try:
+        with open(blob.path, "rb", buffering=0) as stream:
+            if blob.size <= READ_CHUNK:  # one read; a size mismatch still shows in `size`
+                data = stream.read(READ_CHUNK + 1)
+                hasher.update(data)
+                size = len(data)
+            else:
+                buffer = getattr(_buffers, "buffer", None)
+                if buffer is None:  # one buffer per hashing thread, not one per blob
+                    buffer = _buffers.buffer = bytearray(READ_CHUNK)
+                view = memoryview(buffer)
+                while read := stream.readinto(buffer):
+                    hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
+                    size += read
+    except FileNotFoundError:
+        return None
+    return size == blob.size and hasher.hexdigest() == blob.hash
+
+
+def referenced(result: re_pb2.ActionResult, read_blob: Any) -> set[str]:
+    """`<hash>-<size>` names of the blobs an ActionResult needs (Tree contents included)."""
+    names: set[str] = set()
+
+    def add(digest: re_pb2.Digest) -> None:
+        if digest.hash and digest.size_bytes:
+            names.add(f"{digest.hash}-{digest.size_bytes}")
+
+    for output in result.output_files:
+        add(output.digest)
+    for directory in result.output_directories:
+        if directory.tree_digest.hash:
+            add(directory.tree_digest)
+            data = read_blob(directory.tree_digest)
+            if data is not None:
+                tree = re_pb2.Tree.FromString(data)
+                for node in [tree.root, *tree.children]:
+                    for file_node in node.files:
+                        add(file_node.digest)
+        if directory.root_directory_digest.hash:
+            add(directory.root_directory_digest)
+    add(result.stdout_digest)
+    add(result.stderr_digest)
+    return names
+
+
+def _remove_if_unchanged(path: str, seen: os.stat_result) -> bool:
+    """Unlink `path` only if it is still the file that was checked (a server may have replaced it)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+        return False
+    os.unlink(path)
+    return True
+
+
+def verify(root: Path, repair: bool = False, show_progress: bool = True) -> Findings:
+    """Check (and with `repair`, clean) the store at `root`. Raises VerifyError for a wrong --dir."""
+    if not root.is_dir():
+        raise VerifyError(f"--dir: {root} does not exist or is not a directory")
+    if not (root / "cas").is_dir():
+        raise VerifyError(f"--dir: {root} is not a buildvault data directory (no cas/)")
+    started = time.perf_counter()
+    findings = Findings()
+    blobs = list(blob_files(root))
+    stats: dict[str, os.stat_result] = {}
+    intact: dict[tuple[DigestFunction, str], None] = {}
+    with progress("blobs", len(blobs), show_progress) as advance, ThreadPoolExecutor(HASH_THREADS) as pool:
+        for blob, ok in zip(blobs, pool.map(_checked, blobs), strict=True):
+            advance()
+            if ok is None:
+                findings.vanished += 1
+                continue
+            verdict, stat = ok
+            findings.blobs += 1
+            findings.bytes += blob.size
+            if verdict:
+                intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
+            else:
+                findings.corrupt_blobs.append(blob.path)
+                stats[blob.path] = stat
+
+    def read_blob(function: DigestFunction, digest: re_pb2.Digest) -> bytes | None:
+        key = f"{digest.hash}-{digest.size_bytes}"
+        if (function, key) not in intact:
+            return None
+        try:
+            return (root / "cas" / function.label / digest.hash[:2] / key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    entries = list(entry_files(root))
+    bad_entries: list[tuple[str, os.stat_result]] = []
+    with progress("action entries", len(entries), show_progress) as advance:
+        for path, kind, function in entries:
+            advance()
+            try:
+                stat = os.stat(path)
+                with open(path, "rb") as stream:
+                    data = stream.read()
+            except FileNotFoundError:
+                findings.vanished += 1
+                continue
+            findings.entries += 1
+            if not entry_is_intact(kind, data):
+                findings.broken_entries.append(path)
+                bad_entries.append((path, stat))
+                continue
+            if kind != "ac":
+                continue
+            try:
+                needed = referenced(re_pb2.ActionResult.FromString(data), lambda d, f=function: read_blob(f, d))
+            except DecodeError:
+                findings.broken_entries.append(path)
+                bad_entries.append((path, stat))
+                continue
+            if any((function, name) not in intact for name in needed):
+                findings.dangling_entries.append(path)
+                bad_entries.append((path, stat))
+    if repair:
+        # Entries before blobs: an interrupted repair leaves no entry pointing at a removed blob.
+        for path, stat in bad_entries:
+            findings.removed += _remove_if_unchanged(path, stat)
+        for path in findings.corrupt_blobs:
+            findings.removed += _remove_if_unchanged(path, stats[path])
+    findings.seconds = time.perf_counter() - started
+    return findings
+
+
+def _checked(blob: BlobFile) -> tuple[bool, os.stat_result] | None:
+    try:
+        stat = os.stat(blob.path)
+    except FileNotFoundError:
+        return None
+    verdict = blob_is_intact(blob)
+    return None if verdict is None else (verdict, stat)
+
+
+def summary(findings: Findings, repair: bool) -> str:
+    doc = findings.document()
+    rate = f", {doc['mb_per_second']} MB/s" if doc["mb_per_second"] is not None else ""
+    line = (
+        f"verified {findings.blobs} blobs ({human_bytes(findings.bytes)}{rate}) and {findings.entries} action entries: "
+        f"{len(findings.corrupt_blobs)} corrupt blobs, {len(findings.broken_entries)} broken entries, "
+        f"{len(findings.dangling_entries)} dangling entries"
+    )
+    if repair:
+        line += f"; removed {findings.removed}"
+    return line
+
+
+def run(directory: str, repair: bool, as_json: bool) -> int:
+    """Exit 0: nothing wrong (or everything found was removed); 1: problems left; 2: bad --dir."""
+    try:
+        findings = verify(Path(directory), repair=repair, show_progress=not as_json)
+    except VerifyError as e:
+        print(f"buildvault verify: {e}", file=sys.stderr)
+        return 2
+    emit(summary(findings, repair), findings.document(), as_json)
+    if findings.problems and not (repair and findings.removed >= findings.problems):
+        return 1
+    return 0

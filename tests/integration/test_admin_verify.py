@@ -1,0 +1,114 @@
+"""`buildvault verify` on the data directory of a running server.
+
+The server stores blobs and ActionResults over HTTP; then files are damaged behind its back:
+one blob's bytes flipped (corrupt), one referenced blob removed (its entry now dangles), one
+entry zero-filled (a torn write). verify reports exactly those, changes nothing without
+--repair, removes exactly those with it, and the next verify is clean; the server keeps
+answering throughout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from buildvault.remote_apis import re_pb2
+
+CLI = [sys.executable, "-m", "buildvault.cli"]
+
+
+def _put(base: str, path: str, data: bytes) -> None:
+    request = urllib.request.Request(f"{base}{path}", data=data, method="PUT")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status in (200, 201, 204)
+
+
+def _verify(data_dir: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    proc = subprocess.run([*CLI, "verify", "--dir", str(data_dir), "--json", *extra], capture_output=True, text=True)
+    assert proc.stderr == "", proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def _blob_path(data_dir: Path, data: bytes) -> Path:
+    digest = hashlib.sha256(data).hexdigest()
+    return data_dir / "cas" / "sha256" / digest[:2] / f"{digest}-{len(data)}"
+
+
+def _entry_path(data_dir: Path, action_hash: str) -> Path:
+    return data_dir / "ac" / "ac" / "@sha256" / action_hash[:2] / action_hash
+
+
+def _store_action(base: str, output: bytes, name: str) -> str:
+    """An ActionResult with one output file over HTTP; returns the action hash."""
+    output_hash = hashlib.sha256(output).hexdigest()
+    _put(base, f"/cas/{output_hash}", output)
+    result = re_pb2.ActionResult(
+        output_files=[re_pb2.OutputFile(path=name, digest=re_pb2.Digest(hash=output_hash, size_bytes=len(output)))]
+    )
+    action_hash = hashlib.sha256(name.encode()).hexdigest()
+    _put(base, f"/ac/{action_hash}", result.SerializeToString())
+    return action_hash
+
+
+def test_verify_finds_and_repairs_damage_beside_a_running_server(buildvault_server) -> None:
+    base = f"http://{buildvault_server.http_address}"
+    data_dir = Path(buildvault_server.data_dir)
+    blobs = [os.urandom(1000 + i * 37) for i in range(200)]
+    for blob in blobs:
+        _put(base, f"/cas/{hashlib.sha256(blob).hexdigest()}", blob)
+    intact = _store_action(base, b"intact output\n", "intact")
+    dangling = _store_action(base, b"output that will vanish\n", "dangling")
+    torn = _store_action(base, b"output of a torn entry\n", "torn")
+
+    code, report = _verify(data_dir)
+    assert code == 0, report
+    assert report["blobs"] == len(blobs) + 3 and report["action_entries"] == 3
+    assert report["corrupt_blobs"] == report["broken_entries"] == report["dangling_entries"] == []
+
+    corrupt = _blob_path(data_dir, blobs[7])
+    damaged = bytearray(corrupt.read_bytes())
+    damaged[10] ^= 0xFF
+    corrupt.write_bytes(bytes(damaged))
+    _blob_path(data_dir, b"output that will vanish\n").unlink()
+    torn_path = _entry_path(data_dir, torn)
+    torn_path.write_bytes(b"\0" * torn_path.stat().st_size)
+
+    code, report = _verify(data_dir)
+    assert code == 1
+    assert report["corrupt_blobs"] == [str(corrupt)]
+    assert report["dangling_entries"] == [str(_entry_path(data_dir, dangling))]
+    assert report["broken_entries"] == [str(torn_path)]
+    assert corrupt.exists() and torn_path.exists()  # without --repair nothing changes
+
+    code, report = _verify(data_dir, "--repair")
+    assert code == 0 and report["removed"] == 3, report
+    assert not corrupt.exists() and not torn_path.exists()
+    assert not _entry_path(data_dir, dangling).exists()
+    assert _entry_path(data_dir, intact).exists()
+
+    code, report = _verify(data_dir)
+    assert code == 0 and report["blobs"] == len(blobs) + 1 and report["action_entries"] == 1, report
+    with urllib.request.urlopen(f"{base}/ac/{intact}", timeout=10) as response:
+        assert response.status == 200  # the server never stopped answering
+
+
+def test_verify_plain_summary_line_and_bad_dir(tmp_path: Path) -> None:
+    missing = tmp_path / "nothing-here"
+    proc = subprocess.run([*CLI, "verify", "--dir", str(missing)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--dir" in proc.stderr and str(missing) in proc.stderr
+    assert not missing.exists()
+    not_a_store = tmp_path / "plain"
+    not_a_store.mkdir()
+    proc = subprocess.run([*CLI, "verify", "--dir", str(not_a_store)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not a buildvault data directory" in proc.stderr
+    assert list(not_a_store.iterdir()) == []
+    (tmp_path / "store" / "cas").mkdir(parents=True)
+    proc = subprocess.run([*CLI, "verify", "--dir", str(tmp_path / "store")], capture_output=True, text=True)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("verified 0 blobs") and proc.stdout.count("\n") == 1  # no bar off a terminal
