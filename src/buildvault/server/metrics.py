@@ -2,7 +2,7 @@
 
 A `Metrics` object owns its own `CollectorRegistry` (never the process-global default), so two
 servers in one process (tests) keep separate counts. The app creates one, hands it to the HTTP
-app and to the gRPC server (through `Metrics.grpc_interceptor()`), and serves
+app and to the gRPC server (through server/grpc/metrics_interceptor.py), and serves
 `Metrics.render()` at `/metrics` on the HTTP port.
 
 Label values come from small fixed sets only: protocol (`grpc`, `http`), method (a known HTTP
@@ -25,22 +25,20 @@ also the per-protocol `cas_read_bytes` / `cas_written_bytes` of the front end th
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from buildvault.storage.metrics import CLIENT_TIER, REQUEST_PROTOCOL
+from buildvault.storage.metrics import CLIENT_TIER
 
-__all__ = ["Metrics", "StorageSnapshot", "MetricsInterceptor", "CONTENT_TYPE_LATEST"]
+__all__ = ["Metrics", "StorageSnapshot", "CONTENT_TYPE_LATEST"]
 
 PREFIX = "buildvault"
 HTTP_METHODS = frozenset({"GET", "HEAD", "PUT", "POST", "DELETE", "OPTIONS", "PATCH"})
@@ -80,7 +78,6 @@ GRPC_METHODS = frozenset(
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )  # fmt: skip
-_GRPC_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 # Label values taken from the object tier's stats keys (fixed in code) must look like this.
 _STATS_LABEL = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _MAX_STATS_LABELS = 32
@@ -465,162 +462,6 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    # -- gRPC --------------------------------------------------------------------------------
-    def grpc_interceptor(self) -> MetricsInterceptor:
-        """Pass to `grpc.aio.server(interceptors=[...])`."""
-        return MetricsInterceptor(self)
-
 
 def http_method_label(method: str) -> str:
     return method if method in HTTP_METHODS else "other"
-
-
-def grpc_labels(full_method: str) -> tuple[str, str]:
-    """`/pkg.Service/Method` -> (method label, kind label), both from fixed sets."""
-    _, _, rest = full_method.partition("/")
-    service, _, method = rest.partition("/")
-    kind = GRPC_SERVICES.get(service)
-    if kind is None:
-        return "other", "other"
-    return (method if method in GRPC_METHODS else "other"), kind
-
-
-class _Call:
-    """Book-keeping of one RPC: measures it and records its status once. Blob bytes are counted
-    by the store (storage.metrics) under the protocol this call sets in REQUEST_PROTOCOL."""
-
-    __slots__ = ("metrics", "method", "kind", "start")
-
-    def __init__(self, metrics: Metrics, method: str, kind: str) -> None:
-        self.metrics = metrics
-        self.method = method
-        self.kind = kind
-        self.start = time.perf_counter()
-        REQUEST_PROTOCOL.set("grpc")  # this RPC's own task context
-
-    def finish(self, code: grpc.StatusCode) -> None:
-        m = self.metrics
-        m.observe_request("grpc", self.method, self.kind, code.name, time.perf_counter() - self.start)
-        if self.kind == "ac" and self.method == "GetActionResult":
-            if code is grpc.StatusCode.OK:
-                m.ac_lookup("grpc", True)
-            elif code is grpc.StatusCode.NOT_FOUND:
-                m.ac_lookup("grpc", False)
-
-
-def _code_of(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
-    try:
-        code = context.code()
-    except Exception:  # older grpc.aio contexts
-        code = None
-    if code is None:
-        return default
-    if isinstance(code, grpc.StatusCode):
-        return code
-    if isinstance(code, tuple):
-        code = code[0]
-    return _GRPC_CODE_BY_VALUE.get(code, default)
-
-
-def _error_code(context: Any, error: BaseException) -> grpc.StatusCode:
-    import asyncio
-
-    if isinstance(error, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED
-    if isinstance(error, grpc.aio.AbortError):
-        return _code_of(context, grpc.StatusCode.UNKNOWN)
-    return grpc.StatusCode.UNKNOWN
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times every RPC and its status (GetActionResult's: AC hits and misses); names the
-    protocol for the store's byte counts (no message is parsed here)."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-
-    async def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method, kind = grpc_labels(handler_call_details.method)
-        for name, wrap in _WRAPPERS:
-            behaviour = getattr(handler, name)
-            if behaviour is not None:
-                return _replace(handler, **{name: wrap(behaviour, self._metrics, method, kind)})
-        return handler
-
-
-def _replace(handler: Any, **behaviour: Any) -> Any:
-    if hasattr(handler, "_replace"):
-        return handler._replace(**behaviour)
-    (name, fn), = behaviour.items()  # fmt: skip
-    factory = {
-        "unary_unary": grpc.unary_unary_rpc_method_handler,
-        "unary_stream": grpc.unary_stream_rpc_method_handler,
-        "stream_unary": grpc.stream_unary_rpc_method_handler,
-        "stream_stream": grpc.stream_stream_rpc_method_handler,
-    }[name]
-    return factory(fn, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)  # fmt: skip
-
-
-def _wrap_unary_response(
-    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str
-) -> Callable[..., Any]:
-    """unary_unary and stream_unary handlers."""
-
-    async def wrapper(request: Any, context: Any) -> Any:
-        call = _Call(metrics, method, kind)
-        try:
-            response = behaviour(request, context)
-            if inspect.isawaitable(response):
-                response = await response
-        except BaseException as e:
-            call.finish(_error_code(context, e))
-            raise
-        call.finish(_code_of(context, grpc.StatusCode.OK))
-        return response
-
-    return wrapper
-
-
-def _wrap_stream_response(
-    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str
-) -> Callable[..., Any]:
-    """unary_stream and stream_stream handlers: async generators, or coroutines that write their
-    responses to the context."""
-    if inspect.isasyncgenfunction(behaviour):
-
-        async def generator(request: Any, context: Any) -> AsyncIterator[Any]:
-            call = _Call(metrics, method, kind)
-            try:
-                async for response in behaviour(request, context):
-                    yield response
-            except BaseException as e:
-                call.finish(_error_code(context, e))
-                raise
-            call.finish(_code_of(context, grpc.StatusCode.OK))
-
-        return generator
-
-    async def coroutine(request: Any, context: Any) -> Any:
-        call = _Call(metrics, method, kind)
-        try:
-            result = await behaviour(request, context)
-        except BaseException as e:
-            call.finish(_error_code(context, e))
-            raise
-        call.finish(_code_of(context, grpc.StatusCode.OK))
-        return result
-
-    return coroutine
-
-
-# The handler attribute and the wrapper for it.
-_WRAPPERS = (
-    ("unary_unary", _wrap_unary_response),
-    ("unary_stream", _wrap_stream_response),
-    ("stream_unary", _wrap_unary_response),
-    ("stream_stream", _wrap_stream_response),
-)

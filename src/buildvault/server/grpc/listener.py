@@ -18,6 +18,7 @@ from buildvault.server.grpc.bytestream import ByteStreamService
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
 from buildvault.server.grpc.execution import add_execution_services
+from buildvault.server.grpc.metrics_interceptor import MetricsInterceptor
 from buildvault.server.services import Services, StartupError, format_address
 
 __all__ = ["GrpcListener"]
@@ -57,7 +58,7 @@ class GrpcListener:
 
     async def start(self) -> None:
         s = self.services
-        interceptors: list[grpc.aio.ServerInterceptor] = [s.metrics.grpc_interceptor()]
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(s.metrics)]
         auth = s.auth
         if auth is not None and auth.enabled:  # after metrics, so refusals count as requests too
             interceptors.append(AuthInterceptor(auth))
