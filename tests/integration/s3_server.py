@@ -6,7 +6,9 @@ Two ways to run it, one set of helpers:
   seed its state directly (`moto.s3.models.s3_backends`). For the storage-layer tests.
 - `moto_server` (module fixture): a `moto_server` subprocess (`MotoServer`) on a free port,
   which a test can kill (every connection cut) and start again on the same port, empty: a
-  restarted moto has no buckets until one is created again. For the server-level tests.
+  restarted moto has no buckets until one is created again; or freeze (SIGSTOP: a hung bucket
+  that takes connections and never answers) and thaw with its state intact. For the
+  server-level tests.
 
 Both set the AWS environment (fake credentials, no profile or metadata lookups) for the module,
 so boto3 here and every `buildvault serve` subprocess started from the tests find the same
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -133,6 +136,7 @@ class MotoServer:
         self.port = port or free_port()
         self.log_path = Path(log_path)
         self.process: subprocess.Popen[bytes] | None = None
+        self.frozen = False
 
     @property
     def endpoint(self) -> str:
@@ -142,7 +146,23 @@ class MotoServer:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def freeze(self) -> None:
+        """SIGSTOP: a hung bucket. The kernel still accepts connections (the listen backlog) and
+        takes requests in, but nothing answers until thaw(); open connections stay open."""
+        if self.running:
+            assert self.process is not None
+            self.process.send_signal(signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        """SIGCONT: the bucket answers again, with its state intact."""
+        if self.process is not None and self.frozen:
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGCONT)
+            self.frozen = False
+
     def start(self, timeout: float = START_TIMEOUT) -> MotoServer:
+        self.thaw()  # a test that failed while the bucket was frozen left it so
         if self.running:
             return self
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
@@ -172,6 +192,7 @@ class MotoServer:
             self.process.wait(10)
 
     def stop(self) -> None:
+        self.thaw()  # a stopped process would not act on SIGTERM
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:

@@ -67,7 +67,9 @@ def test_checksum_config_defaults_to_when_required(s3_endpoint, tmp_path):
         assert store.client.meta.endpoint_url == s3_endpoint
     finally:
         store.close()
-    other = ObjectStore.from_settings(settings_for(s3_endpoint, "b", tmp_path, s3_checksums="when_supported", s3_addressing="virtual"))
+    other = ObjectStore.from_settings(
+        settings_for(s3_endpoint, "b", tmp_path, s3_checksums="when_supported", s3_addressing="virtual")
+    )
     try:
         assert other.client.meta.config.request_checksum_calculation == "when_supported"
         assert other.client.meta.config.response_checksum_validation == "when_supported"
@@ -79,8 +81,10 @@ def test_checksum_config_defaults_to_when_required(s3_endpoint, tmp_path):
 async def test_uploads_carry_no_crc_checksum_headers(store):
     """What OBS rejects: boto3 >= 1.36's default CRC32 / aws-chunked trailer headers."""
     seen: list[dict[str, str]] = []
-    store.client.meta.events.register("before-send.s3.PutObject", lambda request, **_: seen.append(dict(request.headers)))
-    store.client.meta.events.register("before-send.s3.UploadPart", lambda request, **_: seen.append(dict(request.headers)))
+    for operation in ("PutObject", "UploadPart"):
+        store.client.meta.events.register(
+            f"before-send.s3.{operation}", lambda request, **_: seen.append(dict(request.headers))
+        )
     for data in (b"small", blob(6 * MiB)):
         digest = Digest.of(data)
         await store.write(digest, chunked(data))
@@ -106,10 +110,10 @@ async def test_round_trip(store, bucket, s3_endpoint):
     digests = [Digest.of(b) for b in blobs]
     blake = Digest.of(b"a", DigestFunction.BLAKE3)
     assert await store.find_missing(digests + [blake, digests[1]]) == digests + [blake]
-    for digest, data in zip(digests, blobs):
+    for digest, data in zip(digests, blobs, strict=True):
         await store.write(digest, chunked(data))
     assert await store.find_missing(digests + [blake]) == [blake]
-    for digest, data in zip(digests, blobs):
+    for digest, data in zip(digests, blobs, strict=True):
         assert await read_all(store, digest) == data
     with pytest.raises(NotFound):
         await store.read(blake)
@@ -134,7 +138,8 @@ async def test_ranged_reads(store):
     data = blob(CHUNK_SIZE * 2 + 1234, 3)
     digest = Digest.of(data)
     await store.write(digest, chunked(data))
-    for offset, limit in [(0, 10), (5, 0), (CHUNK_SIZE - 3, 7), (len(data) - 1, 0), (100, CHUNK_SIZE * 2), (0, len(data) * 2)]:
+    ranges = [(0, 10), (5, 0), (CHUNK_SIZE - 3, 7), (len(data) - 1, 0), (100, CHUNK_SIZE * 2), (0, len(data) * 2)]
+    for offset, limit in ranges:
         expected = data[offset:] if limit == 0 else data[offset : offset + limit]
         assert await read_all(store, digest, offset, limit) == expected, (offset, limit)
     assert await read_all(store, digest, len(data), 0) == b""
@@ -251,7 +256,10 @@ async def test_read_only_store_refuses_writes(s3_endpoint, bucket, tmp_path):
 
 async def test_unreachable_endpoint_is_unavailable(tmp_path):
     store = ObjectStore.from_settings(
-        settings_for(f"http://127.0.0.1:{free_port()}", "b", tmp_path), max_attempts=1, connect_timeout=1, session=session()
+        settings_for(f"http://127.0.0.1:{free_port()}", "b", tmp_path),
+        max_attempts=1,
+        connect_timeout=1,
+        session=session(),
     )
     try:
         with pytest.raises(Unavailable):
@@ -278,7 +286,7 @@ async def test_concurrent_calls_run_off_the_event_loop(store):
             await asyncio.sleep(0)
 
     task = asyncio.ensure_future(ticker())
-    await asyncio.gather(*(store.write(d, chunked(b)) for d, b in zip(digests, blobs)))
+    await asyncio.gather(*(store.write(d, chunked(b)) for d, b in zip(digests, blobs, strict=True)))
     assert [await read_all(store, d) for d in digests] == blobs
     done.set()
     await task

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import selectors
 import socket
 import threading
 import time
@@ -256,39 +257,95 @@ async def test_warm_find_missing_of_1000_blobs_makes_no_head_requests(s3, buildv
         assert metric(consumer.http_address, "buildvault_object_store_presence_entries") >= len(digests)
 
 
-@contextlib.contextmanager
-def unresponsive_endpoint():
-    """An "S3 endpoint" that accepts connections and never answers (a hung or black-holed bucket)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    accepted: list[socket.socket] = []
+class HungEndpoint:
+    """An "S3 endpoint" that accepts connections, takes requests in and never answers (a hung or
+    black-holed bucket). `held` counts the open connections on which a request arrived."""
 
-    def accept() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                accepted.append(listener.accept()[0])
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._closing = threading.Event()
+        self.held = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True)
 
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        listener.close()
-        for connection in accepted:
-            connection.close()
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def __enter__(self) -> HungEndpoint:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closing.set()
+        self._thread.join(10)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()
+        self._selector.close()
+
+    def _serve(self) -> None:
+        # The timeout only bounds how late __exit__ is noticed.
+        while not self._closing.is_set():
+            for key, _ in self._selector.select(timeout=0.1):
+                if key.fileobj is self._listener:
+                    with contextlib.suppress(BlockingIOError):
+                        connection = self._listener.accept()[0]
+                        connection.setblocking(False)
+                        self._selector.register(connection, selectors.EVENT_READ, data=False)
+                    continue
+                connection = key.fileobj
+                try:
+                    received = connection.recv(65536)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    received = b""
+                if not received:  # the client gave up on this connection
+                    self._selector.unregister(connection)
+                    connection.close()
+                    self.held -= key.data
+                elif not key.data:
+                    self._selector.modify(connection, selectors.EVENT_READ, data=True)
+                    self.held += 1
 
 
-async def test_hung_bucket_holds_up_neither_writes_nor_shutdown(s3, buildvault_server_factory):
+def server_metric(server, name: str) -> float:
+    return metric(server.http_address, name) or 0
+
+
+@pytest.mark.parametrize("when", ["from the start", "mid-run"])
+async def test_hung_bucket_holds_up_neither_writes_nor_shutdown(s3, buildvault_server_factory, when):
+    """A bucket that takes requests in and never answers. From the start: the server's first
+    bucket call (the pin index, at start-up) runs out of its budget and marks the bucket down, so
+    writes wait in the journal while the health probe hangs. Mid-run: the bucket was healthy, so
+    the uploads of the writes are what hang. Either way writes finish at local speed and
+    shutdown does not wait for the calls stuck on the bucket (boto3 threads blocked in a read)."""
     bucket = create_bucket(s3.endpoint)
     data = blobs(20)
-    with unresponsive_endpoint() as hung:
-        server = buildvault_server_factory("a", extra_args=tier_args(hung, bucket))
+    with contextlib.ExitStack() as outage:
+        if when == "from the start":
+            hung = outage.enter_context(HungEndpoint())
+            args = tier_args(hung.endpoint, bucket, "--s3-request-budget", "1")  # start-up waits on it
+            server = buildvault_server_factory("a", extra_args=args)
+        else:
+            server = buildvault_server_factory("a", extra_args=tier_args(s3.endpoint, bucket))
+            assert server_metric(server, "buildvault_object_store_up") == 1
+            s3.freeze()
+            outage.callback(s3.thaw)
         async with connect(server) as stubs:
             started = time.monotonic()
             await batch_update(stubs, data)
             action = await store_action(stubs, data[:1])
             assert time.monotonic() - started < 5
-        wait_for(lambda: metric(server.http_address, "buildvault_upload_journal_in_flight"), 30,
-                 "uploads stuck on the hung bucket")  # fmt: skip
+        if when == "from the start":
+            wait_for(lambda: server_metric(server, "buildvault_upload_journal_backlog") >= len(data) + 1
+                     and server_metric(server, "buildvault_object_store_up") == 0 and hung.held >= 1,
+                     30, "the writes journaled, the bucket marked down and a call stuck on it")  # fmt: skip
+        else:
+            wait_for(lambda: server_metric(server, "buildvault_upload_journal_in_flight") >= 1, 30,
+                     "uploads stuck on the hung bucket")  # fmt: skip
         started = time.monotonic()
         assert server.stop(timeout=60) == 0
         assert time.monotonic() - started < 15, "shutdown waited for calls stuck on the bucket"

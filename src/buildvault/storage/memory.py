@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 
 from buildvault.digest import Digest, DigestFunction, new_hasher
 from buildvault.storage import (
@@ -94,6 +94,15 @@ class MemoryBlobStore:
         if data is None:
             raise NotFound(f"blob {function.label}:{hash} not found")
         return Digest(hash, len(data), function)
+
+    def evict(self, digests: Iterable[Digest] | None = None) -> int:
+        """Drop the given blobs (all of them when None), as a disk store's eviction would;
+        returns how many were held. Blobs not held are ignored."""
+        if digests is None:
+            count = len(self._blobs)
+            self._blobs.clear()
+            return count
+        return sum(self._blobs.pop(digest.key, None) is not None for digest in digests)
 
 
 class MemoryActionStore:
