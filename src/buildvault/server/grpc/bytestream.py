@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from buildvault import logs
-from buildvault.actions import find_missing, is_empty
+from buildvault.actions import find_missing
 from buildvault.compression import zstd_compress_stream, zstd_decompress_stream
 from buildvault.digest import ResourceName, parse_read_resource, parse_write_resource
 from buildvault.remote_apis import bs_pb2
@@ -266,13 +266,10 @@ class ByteStreamService:
         if offset > digest.size_bytes:
             raise errors.OutOfRange(f"read_offset {offset} is past the end of {digest}")
         logs.note(resource=str(digest), offset=offset, limit=limit, compressor=resource.compressor)
-        if is_empty(digest):
-            source: AsyncIterator[bytes] = _nothing()
-        else:
-            try:
-                source = await self.blobs.read(digest, offset, limit)
-            except InvalidRange as e:
-                raise errors.OutOfRange(str(e)) from None
+        try:  # the empty blob is always there: storage/empty_blob.py
+            source: AsyncIterator[bytes] = await self.blobs.read(digest, offset, limit)
+        except InvalidRange as e:
+            raise errors.OutOfRange(str(e)) from None
         chunks = source
         if resource.compressor is not None:
             chunks = zstd_compress_stream(source, digest.size_bytes - offset)
@@ -359,7 +356,3 @@ class ByteStreamService:
             return bs_pb2.QueryWriteStatusResponse(committed_size=size, complete=True)
         return bs_pb2.QueryWriteStatusResponse(committed_size=0, complete=False)
 
-
-async def _nothing() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover

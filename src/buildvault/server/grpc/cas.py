@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from buildvault import logs
-from buildvault.actions import is_empty, read_blob
+from buildvault.actions import read_blob
 from buildvault.compression import offload, zstd_compress, zstd_decompress_whole
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, all_hashes, verify_instance_name
 from buildvault.remote_apis import re_pb2
@@ -89,9 +89,7 @@ class CasService:
         # No Digest objects on the hot path; the reply echoes the request's messages.
         messages = request.blob_digests
         hashes, sizes = _fields(messages, function)
-        absent = await self.blobs.find_missing_indices(function, hashes, sizes)
-        if absent and 0 in sizes:  # the empty blob is always present
-            absent = [i for i in absent if not is_empty(Digest(hashes[i], sizes[i], function))]
+        absent = await self.blobs.find_missing_indices(function, hashes, sizes)  # the empty blob: storage/empty_blob.py
         logs.note(digests=len(hashes), missing=len(absent))
         return re_pb2.FindMissingBlobsResponse(missing_blob_digests=[messages[i] for i in absent])
 
@@ -173,9 +171,8 @@ class CasService:
                 except Exception as exc:  # per-blob status
                     outcomes[i] = exc
                     continue
-            if digest.size_bytes or not is_empty(digest):  # the empty blob is always present, stored or not
-                wanted.append(digest)
-                where.append(i)
+            wanted.append(digest)  # the empty blob is always there: storage/empty_blob.py
+            where.append(i)
         for i, outcome in zip(where, await self.blobs.read_blobs(wanted), strict=True):  # one store call for the batch
             outcomes[i] = outcome
         logs.note(blobs=len(messages), bytes=total)
