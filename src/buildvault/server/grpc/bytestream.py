@@ -355,4 +355,3 @@ class ByteStreamService:
             size = -1 if resource.compressor is not None else resource.digest.size_bytes
             return bs_pb2.QueryWriteStatusResponse(committed_size=size, complete=True)
         return bs_pb2.QueryWriteStatusResponse(committed_size=0, complete=False)
-
