@@ -390,9 +390,9 @@ async def test_real_ac_entry_whose_blob_is_gone_is_a_miss():
             key = sha(b"evictable")
             body = action_result(("o", out)).SerializeToString()
             await put(session, f"/i/ac/{key}", body)
-            assert [ns for ns, _ in actions._entries] == ["ac/i"]  # a real entry, not a raw one
+            assert actions.namespaces() == ["ac/i"]  # a real entry, not a raw one
             assert (await get(session, f"/i/ac/{key}"))[1] == body
-            blobs._blobs.clear()  # what eviction does
+            assert blobs.evict() == 1  # what eviction does
             assert (await get(session, f"/i/ac/{key}"))[0] == 404
             async with session.head(f"/i/ac/{key}") as response:
                 assert response.status == 404

@@ -46,7 +46,7 @@ async def put(blobs: MemoryBlobStore, *items: bytes, function=DigestFunction.SHA
 
 
 def drop(blobs: MemoryBlobStore, data: bytes, function=DigestFunction.SHA256) -> None:
-    del blobs._blobs[Digest.of(data, function).key]
+    assert blobs.evict([Digest.of(data, function)]) == 1
 
 
 ACTION = Digest.of(b"some action")

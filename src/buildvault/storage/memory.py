@@ -117,3 +117,7 @@ class MemoryActionStore:
 
     async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
         self._entries[(namespace, digest.key)] = bytes(data)
+
+    def namespaces(self) -> list[str]:
+        """The namespace of every stored entry, in insertion order (one per entry)."""
+        return [namespace for namespace, _ in self._entries]
