@@ -181,7 +181,9 @@ class App:
         # Golden versions: the local tier's eviction skips what the pin indexes reach.
         self._pins = PinRegistry(stack.blobs, stack.protect)
         stack.actions = PinningActionStore(stack.actions, self._pins)
-        await self._pins.load(stack.actions)
+        # The pin index is read from the local tier: start-up never waits on (or counts a miss in)
+        # the bucket; a pin written through another server is learned when it is written through this one.
+        await self._pins.load(stack.local_actions or stack.actions)
         return stack
 
     def _banner(self) -> None:

@@ -60,6 +60,7 @@ class StoreStack:
     max_blob_size: int = 0
     local_stats: Callable[[], Any] | None = None
     protect: Protector = _protect_nothing  # pinned versions: what the local tier's eviction skips
+    local_actions: ActionStore | None = None  # the local tier alone (start-up reads that must not wait on a bucket)
     object_tier: ObjectTier | None = None
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -102,6 +103,7 @@ async def open_store_stack(
         local_blobs: BlobStore = MeteredBlobStore(stack.blobs, recorder, LOCAL_TIER)
         local_actions: ActionStore = MeteredActionStore(stack.actions, recorder, LOCAL_TIER)
         stack.blobs, stack.actions = local_blobs, local_actions
+        stack.local_actions = local_actions
         tier = build_object_tier(settings, local_blobs, local_actions, recorder=recorder, **tier_options)
         if tier is not None:
             stack.closers.append(tier.aclose)

@@ -56,7 +56,7 @@ class Policy:
         An `authorization` value wins over a client certificate."""
         if authorization is not None:
             if self.internal_token is not None and hmac.compare_digest(
-                authorization.encode(), f"Bearer {self.internal_token}".encode()
+                authorization.encode("utf-8", "replace"), f"Bearer {self.internal_token}".encode()
             ):
                 return INTERNAL_PRINCIPAL
             known = self.credentials.remembered(authorization)
