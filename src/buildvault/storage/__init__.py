@@ -37,6 +37,7 @@ __all__ = [
     "DigestMismatch",
     "InvalidDigest",
     "InvalidRange",
+    "OneByOneBatches",
     "NotFound",
     "StorageError",
     "StorageFull",
@@ -177,6 +178,22 @@ async def write_blobs_one_by_one(store: BlobStore, items: Sequence[tuple[Digest,
             return e
 
     return list(await asyncio.gather(*(one(d, data) for d, data in items)))
+
+
+class OneByOneBatches:
+    """Mixin for a store whose natural questions are per blob (memory, the bucket): the batch
+    paths of the protocol, answered with the helpers above."""
+
+    async def find_missing_indices(
+        self: BlobStore, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        return await find_missing_indices_by_digests(self, function, hashes, sizes)
+
+    async def read_blobs(self: BlobStore, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        return await read_blobs_one_by_one(self, digests)
+
+    async def write_blobs(self: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await write_blobs_one_by_one(self, items)
 
 
 async def single_chunk(data: bytes) -> AsyncIterator[bytes]:

@@ -11,9 +11,7 @@ from buildvault.storage import (
     DigestMismatch,
     InvalidRange,
     NotFound,
-    find_missing_indices_by_digests,
-    read_blobs_one_by_one,
-    write_blobs_one_by_one,
+    OneByOneBatches,
 )
 
 
@@ -49,7 +47,7 @@ def slice_chunks(data: bytes, offset: int, limit: int) -> AsyncIterator[bytes]:
     return chunks()
 
 
-class MemoryBlobStore:
+class MemoryBlobStore(OneByOneBatches):
     """A dict of blobs, optionally capped (no eviction: a full store refuses writes)."""
 
     def __init__(self, max_size: int | None = None) -> None:
@@ -77,17 +75,6 @@ class MemoryBlobStore:
         if self._max_size is not None and digest.size_bytes > self._max_size:
             raise CapacityExceeded(f"blob {digest} is larger than the store's {self._max_size} bytes")
         self._blobs[digest.key] = await collect_verified(digest, chunks)
-
-    async def find_missing_indices(
-        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
-    ) -> list[int]:
-        return await find_missing_indices_by_digests(self, function, hashes, sizes)
-
-    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
-        return await read_blobs_one_by_one(self, digests)
-
-    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        return await write_blobs_one_by_one(self, items)
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         data = self._blobs.get(f"{function.label}/{hash}")

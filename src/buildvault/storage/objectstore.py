@@ -44,11 +44,9 @@ from buildvault.storage import (
     DigestMismatch,
     InvalidRange,
     NotFound,
+    OneByOneBatches,
     StorageError,
     Unavailable,
-    find_missing_indices_by_digests,
-    read_blobs_one_by_one,
-    write_blobs_one_by_one,
 )
 from buildvault.storage.objectstore_client import DaemonThreadPool, make_s3_client
 from buildvault.storage.objectstore_errors import map_error
@@ -92,7 +90,7 @@ def normalize_prefix(prefix: str) -> str:
     return f"{prefix}/" if prefix else ""
 
 
-class ObjectStore:
+class ObjectStore(OneByOneBatches):
     """BlobStore + ActionStore on an S3-compatible bucket (see the module docstring for keys)."""
 
     def __init__(
@@ -206,17 +204,6 @@ class ObjectStore:
             self._corrupt(f"blob {digest}: object has {size} bytes")
             return False
         return True
-
-    async def find_missing_indices(
-        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
-    ) -> list[int]:
-        return await find_missing_indices_by_digests(self, function, hashes, sizes)
-
-    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
-        return await read_blobs_one_by_one(self, digests)
-
-    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        return await write_blobs_one_by_one(self, items)
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         """HEAD the blob's key (keys carry no size): the object's size is the blob's."""
