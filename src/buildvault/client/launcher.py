@@ -44,7 +44,6 @@ TYPE_CHECKING = False  # no `import typing` at run time
 if TYPE_CHECKING:
     from typing import Any
 
-_WARN_EVERY = 60.0
 _AGENT_MODULES = ("agent.py", "hits.py", "store.py", "keys.py", "includes.py", "outputs.py", "toolchain.py",
                   "preprocessed.py", "compile_args.py", "remote.py", "roots.py")
 
@@ -162,23 +161,6 @@ def connect_agent(spawn: bool = True) -> _socket.socket | None:
 def _warn(message: str) -> None:
     sys.stderr.write(message.rstrip("\n") + "\n")
     sys.stderr.flush()
-
-
-def _warn_once(key: str, message: str) -> None:
-    """One warning per outage, across the many launcher processes of a build."""
-    marker = os.path.join(protocol.agent_dir(), f"warned-{key}")
-    try:
-        if time.time() - os.stat(marker).st_mtime < _WARN_EVERY:
-            return
-    except OSError:
-        pass
-    try:
-        os.makedirs(os.path.dirname(marker), mode=0o700, exist_ok=True)
-        with open(marker, "w"):
-            pass
-    except OSError:
-        pass
-    _warn(message)
 
 
 def run(argv: list[str]) -> int:
@@ -311,12 +293,13 @@ def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None)
         # Start the agent and wait for it: the cache may hold this compile (never compile what
         # the fleet already compiled) -- unless it failed to start a moment ago.
         try:
-            broken = time.time() - os.stat(os.path.join(protocol.agent_dir(), "warned-agent")).st_mtime < _WARN_EVERY
+            marker = os.path.join(protocol.agent_dir(), "warned-agent")
+            broken = time.time() - os.stat(marker).st_mtime < protocol.WARN_EVERY
         except OSError:
             broken = False
         sock = None if broken else connect_agent(spawn=True)
     if sock is None:
-        _warn_once("agent", "buildvault-cc: local agent unavailable; compiling locally (see agent.log in "
+        protocol.warn_once("agent", "buildvault-cc: local agent unavailable; compiling locally (see agent.log in "
                    f"{protocol.agent_dir()})")
         event["reason"] = "agent-unavailable"
         state["ran"] = True
@@ -328,7 +311,7 @@ def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None)
         except (OSError, ValueError):
             reply = None
         if reply is None:
-            _warn_once("agent", "buildvault-cc: local agent failed; compiling locally")
+            protocol.warn_once("agent", "buildvault-cc: local agent failed; compiling locally")
             event["reason"] = "agent-failed"
             state["ran"] = True
             return finish(run(argv))

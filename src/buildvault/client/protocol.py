@@ -25,6 +25,8 @@ from __future__ import annotations
 import _socket
 import marshal
 import os
+import sys
+import time
 
 TYPE_CHECKING = False  # no `import typing` at run time: the launcher starts once per compile
 if TYPE_CHECKING:
@@ -89,3 +91,26 @@ def append_line(path: str, line: str) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+# A warning of the cache path is printed at most this often across all processes of a build.
+WARN_EVERY = 60.0
+
+
+def warn_once(key: str, message: str) -> None:
+    """Print `message` on stderr unless a warning of this `key` was printed in the last WARN_EVERY
+    seconds by any process (a marker file in the agent directory): one warning per outage."""
+    marker = os.path.join(agent_dir(), f"warned-{key}")
+    try:
+        if time.time() - os.stat(marker).st_mtime < WARN_EVERY:
+            return
+    except OSError:
+        pass
+    try:
+        os.makedirs(os.path.dirname(marker), mode=0o700, exist_ok=True)
+        with open(marker, "w"):
+            pass
+    except OSError:
+        pass
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()

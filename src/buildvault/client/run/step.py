@@ -33,25 +33,13 @@ from .tree import to_proto
 
 PREFIX = "[buildvault]"
 # Across the steps of one build: one warning per outage per minute, not one per step.
-_WARN_EVERY = 60.0
 # Exit code of a step that could not be set up (missing input, tool, bad option).
 SETUP_FAILED = 2
 
 
 def warn_once(message: str) -> None:
-    marker = os.path.join(protocol.agent_dir(), "warned-run")
-    try:
-        if time.time() - os.stat(marker).st_mtime < _WARN_EVERY:
-            return
-    except OSError:
-        pass
-    try:
-        os.makedirs(os.path.dirname(marker), mode=0o700, exist_ok=True)
-        with open(marker, "w"):
-            pass
-    except OSError:
-        pass
-    print(message, file=sys.stderr, flush=True)
+    """One warning a minute across the steps of a build (buildvault-cc's rule)."""
+    protocol.warn_once("run", message)
 
 
 @dataclass
