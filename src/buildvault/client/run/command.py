@@ -36,7 +36,12 @@ def main_run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     except SpecError as e:
         print(f"buildvault run: {e}", file=sys.stderr)
         return 2
-    from .step import run_step
+    from .fast import run_fast
+
+    code = run_fast(spec, env)
+    if code is not None:
+        return code
+    from .step import run_step  # the in-process path: imports the gRPC stack
 
     return run_step(spec, env)
 
