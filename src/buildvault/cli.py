@@ -20,10 +20,12 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 # asyncio, logs and config load on use: `buildvault run` is started once per build step.
+TYPE_CHECKING = False  # no `import typing` at run time: `buildvault run` starts once per build step
 if TYPE_CHECKING:
+    from typing import Any
+
     from buildvault.config import Settings
 
 # Seconds in-flight requests get to finish after SIGTERM/SIGINT.

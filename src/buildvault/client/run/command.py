@@ -6,11 +6,11 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 from .spec import SpecError, add_arguments, spec_from_args
 
-CMAKE_MODULE_DIR = Path(__file__).resolve().parent.parent.parent / "cmake"
+# os.path, not pathlib: this module is imported by every `buildvault run`.
+CMAKE_MODULE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "cmake")
 
 
 def add_run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -56,4 +56,4 @@ def run_main(argv: list[str]) -> int:
 
 def main_cmake_module_path() -> int:
     print(CMAKE_MODULE_DIR)
-    return 0 if (CMAKE_MODULE_DIR / "buildvault.cmake").is_file() else 1
+    return 0 if os.path.isfile(os.path.join(CMAKE_MODULE_DIR, "buildvault.cmake")) else 1

@@ -7,16 +7,18 @@ buildvault-cc's: a SAVED step is a MISS with `stored`).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from .. import protocol
 from .spec import StepSpec
+
+TYPE_CHECKING = False  # no `import typing` at run time: the front starts once per step
+if TYPE_CHECKING:
+    from typing import Any
 
 PREFIX = "[buildvault]"
 # Across the steps of one build: one warning per outage per minute, not one per step.
@@ -105,6 +107,8 @@ class StepReport:
             line += f" reason={reason}"
         print(line, flush=True)
         if self.spec.event_log:
+            import json  # only steps that log pay for it
+
             self.event["ts"] = round(time.time(), 3)
             protocol.append_line(self.spec.event_log, json.dumps(self.event, separators=(",", ":")) + "\n")
         return code
