@@ -11,7 +11,6 @@ None: the caller runs the in-process path (step.py), which behaves exactly as wi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from .. import launcher, protocol
@@ -47,7 +46,7 @@ def run_fast(spec: StepSpec, env: Mapping[str, str]) -> int | None:
     if sock is None:
         return None
     try:
-        protocol.send(sock, {"op": "step", "spec": dataclasses.asdict(spec), "env": dict(env)})
+        protocol.send(sock, {"op": "step", "spec": spec.as_dict(), "env": dict(env)})
         reply = protocol.recv(sock)
     except (OSError, ValueError):
         return None

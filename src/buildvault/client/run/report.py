@@ -11,7 +11,6 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from .. import protocol
 from .spec import StepSpec
@@ -43,13 +42,13 @@ def warn_once(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-@dataclass
 class Ran:
-    exit: int
-    stdout: bytes
-    stderr: bytes
-    started: float
-    seconds: float
+    """A command that ran: exit code (128+N for signal N), captured output, wall-clock start, seconds."""
+
+    __slots__ = ("exit", "seconds", "started", "stderr", "stdout")
+
+    def __init__(self, exit: int, stdout: bytes, stderr: bytes, started: float, seconds: float) -> None:
+        self.exit, self.stdout, self.stderr, self.started, self.seconds = exit, stdout, stderr, started, seconds
 
 
 def run_command(spec: StepSpec, env: Mapping[str, str]) -> Ran:
