@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import Mapping
 
 from .spec import SpecError, add_arguments, spec_from_args
+
+TYPE_CHECKING = False  # argparse loads only when the quick parser declines (quick_args.py)
+if TYPE_CHECKING:
+    import argparse
+    import types
+    from collections.abc import Mapping
 
 # os.path, not pathlib: this module is imported by every `buildvault run`.
 CMAKE_MODULE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "cmake")
@@ -25,7 +29,7 @@ def add_run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     commands.add_parser("cmake-module-path", help="print the directory holding buildvault.cmake")
 
 
-def main_run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+def main_run(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str, str] | None = None) -> int:
     from ..summary import main as summary_main
 
     if args.summary:
@@ -48,6 +52,13 @@ def main_run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
 
 def run_main(argv: list[str]) -> int:
     """`buildvault run ARGS` parsed by its own parser (what `buildvault` does for `run`)."""
+    from .quick_args import quick_parse
+
+    quick = quick_parse(argv)
+    if quick is not None:
+        return main_run(quick)
+    import argparse
+
     parser = argparse.ArgumentParser(prog="buildvault run")
     commands = parser.add_subparsers(dest="command")
     add_run_parser(commands)

@@ -11,11 +11,13 @@ None: the caller runs the in-process path (step.py), which behaves exactly as wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from .. import launcher, protocol
 from .report import StepReport, echo, warn_once
 from .spec import StepSpec
+
+TYPE_CHECKING = False  # no `import collections` at run time: the run front starts once per step
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 # BUILDVAULT_RUN_AGENT=0: never use the agent (every step in-process).
 _OFF = ("0", "false", "no", "off")

@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping
 
 from .. import protocol
 from .spec import StepSpec
 
 TYPE_CHECKING = False  # no `import typing` at run time: the front starts once per step
 if TYPE_CHECKING:
+    from collections.abc import Mapping
     from typing import Any
 
 PREFIX = "[buildvault]"

@@ -7,9 +7,13 @@ BUILDVAULT_EVENT_LOG); flags override them.
 
 from __future__ import annotations
 
-import argparse
 import os
-from collections.abc import Mapping
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
+    import types
+    from collections.abc import Mapping
 
 DEFAULT_EXCLUDES = (".git", "__pycache__", "*.pyc", "*.log", "*.tmp")
 # How long an identical step running elsewhere on this machine is waited for before this one runs uncached.
@@ -86,6 +90,8 @@ def parse_platform(text: str) -> list[tuple[str, str]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    import argparse  # here: the per-step front usually needs no argparse (quick_args.py)
+
     a = parser.add_argument
     a("--name", default="", help="step name on the status line and in the event log (default: the command)")
     a("--input", action="append", default=[], metavar="PATH", help="input file or directory (repeatable)")
@@ -112,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("step_command", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command and its arguments")
 
 
-def spec_from_args(args: argparse.Namespace, env: Mapping[str, str], cwd: str) -> StepSpec:
+def spec_from_args(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str, str], cwd: str) -> StepSpec:
     argv = list(args.step_command)
     if argv and argv[0] == "--":
         argv = argv[1:]
