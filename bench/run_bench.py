@@ -4,7 +4,9 @@
 
 Starts its own buildvault server on loopback, stores the step once (SAVED), then times
 `--repeat` hits with the outputs deleted before each (so every hit restores all 5): the wall
-time of the whole `buildvault run` process (start-up, key, lookup, restore). Also times
+time of the whole `buildvault run` process, first through the local agent (the default: the
+front imports no grpc, the agent keys, looks up and restores), then with BUILDVAULT_RUN_AGENT=0
+(start-up, gRPC imports, key, lookup, restore in the process). Also times
 `python -c pass`, `buildvault --help` and the imports of the hit path (grpc, protobuf) alone,
 and the same hits inside this process (no start-up, imports loaded), to show how much of a hit
 is start-up.
@@ -77,6 +79,32 @@ def hits_in_process(run_args: list[str], step: Path, env: dict[str, str], repeat
     return took
 
 
+def stop_agents(agent_dir: Path) -> None:
+    import socket
+
+    from buildvault.client import protocol
+
+    for path in agent_dir.glob("agent-*.sock"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            try:
+                s.connect(str(path))
+                protocol.send(s, {"op": "stop"})
+                protocol.recv(s)
+            except OSError:
+                pass
+
+
+def timed_hits(argv: list[str], step: Path, env: dict[str, str], repeat: int) -> list[float]:
+    hits = []
+    for _ in range(repeat):
+        shutil.rmtree(step / "out")
+        took, out = timed(argv, step, env)
+        assert "[buildvault] HIT" in out, out
+        hits.append(took)
+    return hits
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=40)
@@ -97,29 +125,33 @@ def main() -> int:
                 *[a for i in range(1, 6) for a in ("--output", f"out/o{i}.bin")], "--", "./step.sh"]
         _, first = timed(argv, step, env)
         assert "SAVED" in first, first
-        hits = []
-        for _ in range(args.repeat):
-            shutil.rmtree(step / "out")
-            took, out = timed(argv, step, env)
-            assert "[buildvault] HIT" in out, out
-            hits.append(took)
-        in_process = hits_in_process(argv[2:], step, env, args.repeat)
+        timed_hits(argv, step, env, 1)  # the first hit may start the agent
+        hits = timed_hits(argv, step, env, args.repeat)
+        no_agent = {**env, "BUILDVAULT_RUN_AGENT": "0"}
+        cli_in_process = timed_hits(argv, step, no_agent, args.repeat)
+        in_process = hits_in_process(argv[2:], step, no_agent, args.repeat)
         python = [timed([sys.executable, "-c", "pass"], step, env)[0] for _ in range(10)]
         cli = [timed([str(BUILDVAULT), "--help"], step, env)[0] for _ in range(10)]
         imports = [timed([sys.executable, "-c", "import buildvault.client.run.step"], step, env)[0] for _ in range(10)]
+        front = [timed([sys.executable, "-c", "import buildvault.client.run.command, buildvault.client.run.fast"],
+                       step, env)[0] for _ in range(10)]
         load = os.getloadavg()[0]
         row = {
             "inputs": 20, "outputs": 5, "repeat": args.repeat,
             "hit_p50_ms": round(statistics.median(hits) * 1000, 1),
             "hit_p95_ms": round(percentile(hits, 95) * 1000, 1),
+            "no_agent_hit_p50_ms": round(statistics.median(cli_in_process) * 1000, 1),
+            "no_agent_hit_p95_ms": round(percentile(cli_in_process, 95) * 1000, 1),
             "in_process_hit_p50_ms": round(statistics.median(in_process) * 1000, 1),
             "in_process_hit_p95_ms": round(percentile(in_process, 95) * 1000, 1),
             "python_startup_p50_ms": round(statistics.median(python) * 1000, 1),
             "buildvault_help_p50_ms": round(statistics.median(cli) * 1000, 1),
             "python_plus_step_imports_p50_ms": round(statistics.median(imports) * 1000, 1),
+            "python_plus_front_imports_p50_ms": round(statistics.median(front) * 1000, 1),
             "load_1min": round(load, 2), "cpus": os.cpu_count(),
         }
     finally:
+        stop_agents(work / "agent")
         stop(server)
         shutil.rmtree(work, ignore_errors=True)
     if args.json:

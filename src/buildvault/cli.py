@@ -16,14 +16,16 @@ upload publishes nothing. A second signal cuts the grace period short.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 # asyncio, logs and config load on use: `buildvault run` is started once per build step.
+TYPE_CHECKING = False  # no `import typing` at run time: `buildvault run` starts once per build step
 if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
+    from typing import Any
+
     from buildvault.config import Settings
 
 # Seconds in-flight requests get to finish after SIGTERM/SIGINT.
@@ -68,6 +70,7 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import argparse
     parser = argparse.ArgumentParser(
         prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients."
     )

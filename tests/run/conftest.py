@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_harness import OPERATOR_STEP, ServerProcess
+from run_harness import OPERATOR_STEP, ServerProcess, stop_agent_at
+
+
+@pytest.fixture(autouse=True)
+def stop_run_agents(tmp_path: Path) -> Iterator[None]:
+    """`buildvault run` starts buildvault-cc's agent in the test's agent directory: stop each one."""
+    yield
+    for sock_path in tmp_path.rglob("agent-*.sock"):
+        stop_agent_at(sock_path)
 
 
 @pytest.fixture

@@ -6,19 +6,23 @@ of any key), so a test knows exactly which steps ran and which came from the cac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from buildvault.client import protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 from server_process import ServerProcess  # type: ignore[import-not-found]  # tests/integration, on sys.path above
 
 __all__ = [
     "BUILDVAULT", "OPERATOR_STEP", "STATUS", "ServerProcess", "require_buildvault",
-    "Step", "run_step", "runs", "start_step", "step_env",
+    "Step", "run_step", "runs", "start_step", "step_env", "stop_agent_at",
     "tree_bytes",
 ]
 
@@ -80,6 +84,15 @@ def run_step(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 3
 def start_step(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen([str(require_buildvault()), "run", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def stop_agent_at(sock_path: Path) -> None:
+    """Ask the agent listening on `sock_path` to stop, and wait until it has let the socket go."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(str(sock_path))
+        protocol.send(s, {"op": "stop"})
+        protocol.recv(s)
 
 
 def runs(run_log: Path) -> list[str]:

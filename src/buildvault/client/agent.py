@@ -173,6 +173,12 @@ class Agent:
             self.pending[token] = _Pending(p, temps, depfile, time.time(), env)
         return {"op": "run", "argv": exec_argv, "token": token}
 
+    def handle_step(self, req: Reply) -> Reply:
+        """A `buildvault run` step: restored here on a hit, else handed back (run/agent_step.py)."""
+        from .run.agent_step import lookup_step  # only agents that serve `buildvault run` load it
+
+        return lookup_step(req, self.remote, self.hasher)
+
     def handle_done(self, req: Reply) -> Reply:
         with self.lock:
             pending = self.pending.pop(req["token"], None)
@@ -331,6 +337,8 @@ class _Handler(socketserver.BaseRequestHandler):
                             reply["warning"] = agent._take_warning()  # from a background upload
                     elif op == "done":
                         reply = agent.handle_done(req)
+                    elif op == "step":  # `buildvault run` (run/fast.py)
+                        reply = agent.handle_step(req)
                     elif op == "flush":
                         agent.flush()
                         reply = {"op": "flushed"}

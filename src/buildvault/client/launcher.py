@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 _AGENT_MODULES = ("agent.py", "hits.py", "store.py", "keys.py", "includes.py", "outputs.py", "toolchain.py",
-                  "preprocessed.py", "compile_args.py", "remote.py", "roots.py")
+                  "preprocessed.py", "compile_args.py", "remote.py", "roots.py",
+                  "run/agent_step.py", "run/step.py", "run/key.py", "run/outputs.py", "run/tree.py", "run/spec.py")
 
 
 def _fnv1a(data: bytes) -> int:

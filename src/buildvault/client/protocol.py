@@ -13,6 +13,11 @@ directory, so only the same user can talk to the agent.
     agent    -> {"status": "MISS", "reason", "agent_logs"?, "warning"?}
                 (the agent reads the outputs now, uploads in the background, and then writes
                 the compile's event-log line itself: "agent_logs")
+    buildvault run (run/fast.py -> run/agent_step.py):
+    front  -> {"op": "step", "spec": StepSpec fields, "env"}
+    agent  -> {"op": "hit", "exit", "stdout", "stderr", "key", "event"}  outputs already restored
+           |  {"op": "bypass", "reason": "remote-unavailable", "warning"}  run the command uncached
+           |  {"op": "local", "reason"}                                  run the in-process path
     control: {"op": "ping"} -> {"op": "pong", "pid"}; {"op": "flush"} waits for uploads;
              {"op": "stop"} flushes and exits.
 

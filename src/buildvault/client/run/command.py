@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import Mapping
-from pathlib import Path
 
 from .spec import SpecError, add_arguments, spec_from_args
 
-CMAKE_MODULE_DIR = Path(__file__).resolve().parent.parent.parent / "cmake"
+TYPE_CHECKING = False  # argparse loads only when the quick parser declines (quick_args.py)
+if TYPE_CHECKING:
+    import argparse
+    import types
+    from collections.abc import Mapping
+
+# os.path, not pathlib: this module is imported by every `buildvault run`.
+CMAKE_MODULE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "cmake")
 
 
 def add_run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -25,7 +29,7 @@ def add_run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     commands.add_parser("cmake-module-path", help="print the directory holding buildvault.cmake")
 
 
-def main_run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+def main_run(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str, str] | None = None) -> int:
     from ..summary import main as summary_main
 
     if args.summary:
@@ -36,13 +40,25 @@ def main_run(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     except SpecError as e:
         print(f"buildvault run: {e}", file=sys.stderr)
         return 2
-    from .step import run_step
+    from .fast import run_fast
+
+    code = run_fast(spec, env)
+    if code is not None:
+        return code
+    from .step import run_step  # the in-process path: imports the gRPC stack
 
     return run_step(spec, env)
 
 
 def run_main(argv: list[str]) -> int:
     """`buildvault run ARGS` parsed by its own parser (what `buildvault` does for `run`)."""
+    from .quick_args import quick_parse
+
+    quick = quick_parse(argv)
+    if quick is not None:
+        return main_run(quick)
+    import argparse
+
     parser = argparse.ArgumentParser(prog="buildvault run")
     commands = parser.add_subparsers(dest="command")
     add_run_parser(commands)
@@ -51,4 +67,4 @@ def run_main(argv: list[str]) -> int:
 
 def main_cmake_module_path() -> int:
     print(CMAKE_MODULE_DIR)
-    return 0 if (CMAKE_MODULE_DIR / "buildvault.cmake").is_file() else 1
+    return 0 if os.path.isfile(os.path.join(CMAKE_MODULE_DIR, "buildvault.cmake")) else 1

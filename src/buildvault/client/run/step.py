@@ -9,71 +9,24 @@ BUILDVAULT_EVENT_LOG (statuses as buildvault-cc's: a SAVED step is a MISS with `
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
-from .. import protocol
 from ..remote import Remote, RemoteError, from_proto
 from .key import StepKey, step_key
 from .lock import KeyLock
 from .outputs import Collected, OutputError, UnusableResult, collect, discovered, restore, snapshot
+from .report import SETUP_FAILED, Ran, StepReport, echo, run_command, warn_once
 from .spec import SpecError, StepSpec
 from .tree import to_proto
-
-PREFIX = "[buildvault]"
-# Across the steps of one build: one warning per outage per minute, not one per step.
-# Exit code of a step that could not be set up (missing input, tool, bad option).
-SETUP_FAILED = 2
-
-
-def warn_once(message: str) -> None:
-    """One warning a minute across the steps of a build (buildvault-cc's rule)."""
-    protocol.warn_once("run", message)
-
-
-@dataclass
-class Ran:
-    exit: int
-    stdout: bytes
-    stderr: bytes
-    started: float
-    seconds: float
-
-
-def run_command(spec: StepSpec, env: Mapping[str, str]) -> Ran:
-    """Run the step's command in its workdir with stdout/stderr captured, then echo them."""
-    started = time.time()
-    start = time.monotonic()
-    try:
-        done = subprocess.run(spec.argv, cwd=spec.workdir, env=dict(env), capture_output=True, check=False)
-        ran = Ran(done.returncode if done.returncode >= 0 else 128 - done.returncode, done.stdout, done.stderr,
-                  started, time.monotonic() - start)
-    except OSError as e:
-        ran = Ran(127, b"", f"buildvault run: cannot run {spec.argv[0]}: {e}\n".encode(), started, 0.0)
-    echo(ran.stdout, ran.stderr)
-    return ran
-
-
-def echo(out: bytes, err: bytes) -> None:
-    if out:
-        sys.stdout.flush()
-        sys.stdout.buffer.write(out)
-        sys.stdout.flush()
-    if err:
-        sys.stderr.flush()
-        sys.stderr.buffer.write(err)
-        sys.stderr.flush()
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -82,42 +35,20 @@ def _timestamp(seconds: float) -> Timestamp:
     return ts
 
 
-class Step:
+@dataclass
+class Restored:
+    """A usable cached result, restored: what to replay."""
+
+    exit: int
+    stdout: bytes
+    stderr: bytes
+
+
+class Step(StepReport):
     def __init__(self, spec: StepSpec, env: Mapping[str, str]):
-        self.spec = spec
-        self.env = dict(env)
-        self.run_env = {**self.env, **dict(spec.env)}
-        self.start = time.monotonic()
-        self.event: dict[str, Any] = {
-            "kind": "step", "step": spec.label, "status": "BYPASS", "reason": "", "action": None, "outputs": 0,
-            "cwd": spec.workdir,
-        }
+        super().__init__(spec, env)
         self.key: StepKey | None = None
         self.remote: Remote | None = None
-        self.ran = False  # the command has been started: never run it a second time
-
-    # -- reporting -----------------------------------------------------------------------------
-    def finish(self, status: str, code: int, reason: str = "", **extra: Any) -> int:
-        shown = status
-        if status == "SAVED":
-            status, extra["stored"] = "MISS", True
-        self.event.update(status=status, reason=reason, exit=code, seconds=round(time.monotonic() - self.start, 4),
-                          **extra)
-        key = str(self.key.digest.hash + "/" + str(self.key.digest.size_bytes)) if self.key else "-"
-        self.event["action"] = key if self.key else None
-        line = f"{PREFIX} {shown} step={self.spec.label} key={key}"
-        if reason and shown in ("MISS", "BYPASS"):
-            line += f" reason={reason}"
-        print(line, flush=True)
-        if self.spec.event_log:
-            self.event["ts"] = round(time.time(), 3)
-            protocol.append_line(self.spec.event_log, json.dumps(self.event, separators=(",", ":")) + "\n")
-        return code
-
-    def bypass(self, reason: str) -> int:
-        self.ran = True
-        ran = run_command(self.spec, self.run_env)
-        return self.finish("BYPASS", ran.exit, reason, compile_seconds=round(ran.seconds, 4))
 
     # -- the step ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -126,6 +57,7 @@ class Step:
             return self.bypass("no-remote" if not spec.remote else "disabled")
         try:
             self.key = step_key(spec, self.run_env)
+            self.key_text = key_text(self.key)
         except SpecError as e:
             print(f"buildvault run: {e}", file=sys.stderr, flush=True)
             return self.finish("BYPASS", SETUP_FAILED, "setup-failed")
@@ -149,7 +81,16 @@ class Step:
             self.remote.close()
 
     def _lookup(self, key: StepKey, remote: Remote) -> int | None:
-        """The step's exit code if a usable cached result was restored, else None."""
+        """The step's exit code if a usable cached result was restored (its output replayed), else None."""
+        restored = self.restore_cached(key, remote)
+        if restored is None:
+            return None
+        echo(restored.stdout, restored.stderr)
+        return restored.exit
+
+    def restore_cached(self, key: StepKey, remote: Remote) -> Restored | None:
+        """Restore a usable cached result into the workdir and return what to replay; None (and
+        event["reason"] says why) when there is none. RemoteError: the cache did not answer."""
         result = remote.get_action_result(key.digest, inline_files=key.output_paths)
         if result is None:
             self.event["reason"] = "not-cached"
@@ -166,14 +107,13 @@ class Step:
                   file=sys.stderr, flush=True)
             self.event["reason"] = "unusable-result"
             return None
-        echo(key.roots.denormalize_bytes(stdout), key.roots.denormalize_bytes(stderr))
         self.event["outputs"] = count
         meta = result.execution_metadata
         if meta.HasField("execution_start_timestamp") and meta.HasField("execution_completed_timestamp"):
             took = (meta.execution_completed_timestamp.ToNanoseconds()
                     - meta.execution_start_timestamp.ToNanoseconds()) / 1e9
             self.event["saved"] = round(max(0.0, took - (time.monotonic() - self.start)), 4)
-        return result.exit_code
+        return Restored(result.exit_code, key.roots.denormalize_bytes(stdout), key.roots.denormalize_bytes(stderr))
 
     @staticmethod
     def _streams(result: re_pb2.ActionResult, remote: Remote) -> tuple[bytes, bytes]:
@@ -260,6 +200,10 @@ class Step:
         missing = remote.find_missing(blobs)
         remote.upload({d: blobs[d] for d in missing})
         remote.update_action_result(key.digest, result)
+
+
+def key_text(key: StepKey) -> str:
+    return f"{key.digest.hash}/{key.digest.size_bytes}"
 
 
 def run_step(spec: StepSpec, env: Mapping[str, str]) -> int:
