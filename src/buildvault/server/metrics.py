@@ -18,7 +18,8 @@ events (fast/slow hits, backfills, lost uploads, ...). Without a bucket none of 
 
 Every store tier reports at its boundary (`Metrics` is storage.metrics' `StoreRecorder`): calls
 by tier and operation, blob bytes read and written, action-entry lookups by result, with the
-tier names of storage/build.py (`client`, `local`, `object_store`). The client tier's bytes are
+tier names of storage/build.py (`client`, `local`, `object_store`; without a bucket only
+`client`, which is then the disk store). The client tier's bytes are
 also the per-protocol `cas_read_bytes` / `cas_written_bytes` of the front end that set
 `REQUEST_PROTOCOL` (the gRPC interceptor does).
 """

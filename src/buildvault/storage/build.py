@@ -17,6 +17,9 @@ The CAS stack, outermost first (every tier metered under its own name):
           fast: MeteredBlobStore("local") > DiskBlobStore
           slow: MeteredBlobStore("object_store") > FailOpen > ExistenceCache > ObjectStore
 
+Without a bucket the disk store sits right under EmptyBlobStore: the "client" meter is then
+the only one (a second, identical "local" meter would cost a call per request and say nothing).
+
 Stores handed in (tests: `App(blobs=..., actions=...)`) take the place of the local tier and
 still get the rules (the empty blob) and the metrics.
 """
@@ -100,11 +103,13 @@ async def open_store_stack(
     else:
         stack = await _open_disk(settings, validate_entry)
     try:
-        local_blobs: BlobStore = MeteredBlobStore(stack.blobs, recorder, LOCAL_TIER)
-        local_actions: ActionStore = MeteredActionStore(stack.actions, recorder, LOCAL_TIER)
-        stack.blobs, stack.actions = local_blobs, local_actions
-        stack.local_actions = local_actions
-        tier = build_object_tier(settings, local_blobs, local_actions, recorder=recorder, **tier_options)
+        stack.local_actions = stack.actions
+        if settings.s3_bucket:  # without a bucket the client meter is the local tier's: one meter per call
+            local_blobs: BlobStore = MeteredBlobStore(stack.blobs, recorder, LOCAL_TIER)
+            local_actions: ActionStore = MeteredActionStore(stack.actions, recorder, LOCAL_TIER)
+            stack.blobs, stack.actions = local_blobs, local_actions
+            stack.local_actions = local_actions
+        tier = build_object_tier(settings, stack.blobs, stack.actions, recorder=recorder, **tier_options)
         if tier is not None:
             stack.closers.append(tier.aclose)
             await tier.start()
