@@ -29,3 +29,7 @@ if [ ! -e "$stamp" ]; then
   "$venv/bin/python" -m pip install -q -e "$spec"
   rm -f "$venv/.installed-$label-"* && touch "$stamp"
 fi
+# The editable install leaves bytecode to the first import, which PYTHONDONTWRITEBYTECODE=1 (set
+# on some machines) prevents: every `buildvault run` / buildvault-cc start would then compile its
+# modules again (about 30 ms). Compiling here is what a wheel install does; stale files recompile.
+"$venv/bin/python" -m compileall -q src/buildvault >/dev/null

@@ -30,9 +30,9 @@ def add_run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
 
 
 def main_run(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str, str] | None = None) -> int:
-    from ..summary import main as summary_main
-
     if args.summary:
+        from ..summary import main as summary_main  # json: only the summary pays for it
+
         return summary_main(list(args.summary))
     env = os.environ if env is None else env
     try:

@@ -69,8 +69,7 @@ class StepReport:
 
     def __init__(self, spec: StepSpec, env: Mapping[str, str]):
         self.spec = spec
-        self.env = dict(env)
-        self.run_env = {**self.env, **dict(spec.env)}
+        self.env = env
         self.start = time.monotonic()
         self.event: dict[str, Any] = {
             "kind": "step", "step": spec.label, "status": "BYPASS", "reason": "", "action": None, "outputs": 0,
@@ -78,6 +77,12 @@ class StepReport:
         }
         self.key_text: str | None = None  # "hash/size" of the step's Action once known
         self.ran = False  # the command has been started: never run it a second time
+
+    @property
+    def run_env(self) -> dict[str, str]:
+        """The environment the command runs in: the caller's plus the step's --env values (built
+        only when needed: copying the environment is measurable on the per-step hit path)."""
+        return {**self.env, **dict(self.spec.env)}
 
     def finish(self, status: str, code: int, reason: str = "", **extra: Any) -> int:
         shown = status
