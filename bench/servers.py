@@ -177,7 +177,7 @@ def buildgrid_config(address: str, data_dir: Path, line: str = "0.4") -> str:
           method: none
         monitoring:
           enabled: false
-        {{tuning}}
+        TUNING
         storages:
           - !disk-storage &cas
             path: {data_dir / "cas"}
@@ -197,7 +197,7 @@ def buildgrid_config(address: str, data_dir: Path, line: str = "0.4") -> str:
               - !bytestream
                 storage: *cas
         """
-    ).replace("{tuning}", tuning)
+    ).replace("TUNING", tuning)  # after dedent: the tuning lines start at column 0
 
 
 def buildgrid_bgd(venv: Path = BUILDGRID_VENV) -> Path:
