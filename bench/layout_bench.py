@@ -510,6 +510,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+async def call_floor(calls: int = 2000) -> float:
+    """µs of one empty worker-thread trip from the event loop: what every single call pays."""
+    pool = ThreadPoolExecutor(max_workers=1)
+    loop = asyncio.get_running_loop()
+    started = time.perf_counter()
+    for _ in range(calls):
+        await loop.run_in_executor(pool, int)
+    pool.shutdown()
+    return (time.perf_counter() - started) / calls * 1e6
+
+
 async def main_async(args: argparse.Namespace) -> None:
     names = [n.strip() for n in args.only.split(",")] if args.only else list(CANDIDATES)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bv-layout-"))
@@ -526,6 +537,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     print(table(rows))
+    print(f"\nfloor: one empty thread-pool trip from the event loop {await call_floor():.0f} µs")
     loads = [r["load_1min"] for r in rows]
     print(f"\n{args.blobs} blobs of {BLOB_SIZE} B, {args.singles} single calls; load (1 min) "
           f"{min(loads)}–{max(loads)}, median {statistics.median(loads):.2f}")  # fmt: skip
