@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""buildvault vs BuildGrid, one command: writes bench/RESULTS.md.
+"""buildvault vs BuildGrid 0.4.4 and 0.9.x, one command: writes bench/RESULTS.md.
 
-    .venv/bin/python bench/compare.py                  # full run, ~10 min on 2 cores
+    .venv/bin/python bench/compare.py                  # full run, ~15 min on 2 cores
     .venv/bin/python bench/compare.py --scenarios 'fmb_*,ac_*' --reps 5 --no-bazel
+    .venv/bin/python bench/compare.py --peers buildgrid  # without 0.9.x (no Python 3.13 here)
 
-1. Installs BuildGrid from PyPI (newest release for this Python unless --buildgrid-version)
-   into bench/.venv-buildgrid (git-ignored), once.
-2. For each repetition and each server, in rotated order (A B, B A, A B, ...): starts a fresh
-   server on loopback with a fresh data directory (BuildGrid: disk CAS + AC kept in it;
+1. Installs BuildGrid from PyPI, once each, into git-ignored venvs: the newest release for this
+   Python (0.4.4 on 3.11, unless --buildgrid-version) into bench/.venv-buildgrid, and
+   buildgrid==0.9.1 (--buildgrid-09-version) into bench/.venv-buildgrid-0.9, made with a
+   Python 3.13 (--python313; default `python3.13` on PATH, else `pyenv prefix 3.13`).
+2. For each repetition and each server, in rotated order (A B C, B C A, C A B, ...): starts a
+   fresh server on loopback with a fresh data directory (BuildGrid: disk CAS + AC kept in it;
    buildvault: `buildvault serve --dir D`), runs bench/harness.py against it with its PID for
    RSS sampling, stops it and deletes the data.
 3. Times a warm Bazel build (all cache hits) through buildvault, through BuildGrid and with
    Bazel's own --disk_cache (bench/bazel_warm.py), rotated the same way.
-4. Writes medians, min-max and the buildvault/BuildGrid ratio per scenario, with the targets,
-   the exact command and the machine (cores, RAM, CPU model; no host names or paths).
+4. Writes medians, min-max and the buildvault/BuildGrid ratio against each BuildGrid per
+   scenario, with the targets (met or not against 0.9.x, the current release), the exact
+   command and the machine (cores, RAM, CPU model; no host names or paths).
 
 Exit status: 0 when every run passed its verification, 1 otherwise (RESULTS.md still written).
 """
@@ -25,6 +29,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,10 +46,12 @@ if str(ROOT) not in sys.path:
 from bench import servers  # noqa: E402
 
 HARNESS = ROOT / "bench" / "harness.py"
-SERVERS = ("buildvault", "buildgrid")
+PEERS = ("buildgrid", "buildgrid-0.9")  # every BuildGrid compare.py knows; --peers picks
+PEER_LABELS = {"buildgrid": "BG 0.4.4", "buildgrid-0.9": "BG 0.9"}
+TARGET_PEER = "buildgrid-0.9"  # the targets are ratios against the current release
 RSS_LIMIT_MIB = 150.0
 
-# scenario -> (minimum buildvault/BuildGrid ratio, for throughput metrics) from the issue
+# scenario -> minimum buildvault/BuildGrid-0.9 ratio (throughput metrics), from issue 15
 TARGETS: dict[str, float] = {
     "fmb_c1": 8.0,
     "fmb_c16": 8.0,
@@ -52,12 +59,12 @@ TARGETS: dict[str, float] = {
     "batch_read_c1": 3.0,
     "batch_update_c8": 3.0,
     "batch_read_c8": 3.0,
-    "bs_write_512MiB_chunk64KiB": 3.0,
-    "bs_write_512MiB_chunk1MiB": 3.0,
+    "bs_write_512MiB_chunk1MiB": 2.0,
     "bs_read_512MiB": 1.2,
-    "ac_update_c1": 1.5,
-    "ac_get_c1": 1.5,
-    "ac_update_c16": 2.5,
+    "bs_write_64MiB_chunk16KiB": 1.5,
+    "bs_write_64MiB_chunk64KiB": 1.5,
+    "ac_update_c1": 2.0,
+    "ac_update_c16": 3.0,
     "ac_get_c16": 2.5,
     "mixed_cold": 2.5,
     "mixed_warm": 2.5,
@@ -85,13 +92,14 @@ def buildgrid_version(venv: Path) -> str | None:
     return probe.stdout.strip() if probe.returncode == 0 and servers.buildgrid_bgd(venv).exists() else None
 
 
-def ensure_buildgrid(venv: Path, version: str | None, upgrade: bool) -> str:
+def ensure_buildgrid(venv: Path, version: str | None, upgrade: bool, python: str = sys.executable) -> str:
+    """BuildGrid `version` (None: the newest for `python`) in `venv`, made with `python`."""
     installed = buildgrid_version(venv)
     if installed and not upgrade and (version is None or installed == version):
         return installed
     if not (venv / "bin" / "python").exists():
-        log(f"creating {venv.relative_to(ROOT)}")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        log(f"creating {venv.relative_to(ROOT)} with {python}")
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
     requirement = f"buildgrid=={version}" if version else "buildgrid"
     log(f"pip install {requirement} into {venv.relative_to(ROOT)}")
     subprocess.run(
@@ -105,6 +113,27 @@ def ensure_buildgrid(venv: Path, version: str | None, upgrade: bool) -> str:
     return installed
 
 
+def find_python313(explicit: str | None) -> str:
+    """An interpreter that can install BuildGrid 0.9.x: --python313, `python3.13`, pyenv's 3.13."""
+    candidates = [explicit] if explicit else [shutil.which("python3.13")]
+    if not explicit and shutil.which("pyenv"):
+        probe = subprocess.run(["pyenv", "prefix", "3.13"], capture_output=True, text=True)
+        if probe.returncode == 0 and probe.stdout.strip():
+            candidates.append(str(Path(probe.stdout.strip().splitlines()[0]) / "bin" / "python3.13"))
+    for candidate in candidates:
+        if not candidate:
+            continue
+        # a pyenv shim exists even when 3.13 is not the selected version: it must really run
+        probe = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2] >= (3, 13))"],
+                               capture_output=True, text=True)  # fmt: skip
+        if probe.returncode == 0 and probe.stdout.strip() == "True":
+            return candidate
+    raise SystemExit(
+        "BuildGrid 0.9.x needs Python >= 3.13: pass --python313 PATH (e.g. `pyenv install 3.13`), "
+        "or leave it out with --peers buildgrid"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Runs
 # --------------------------------------------------------------------------------------------
@@ -115,6 +144,8 @@ def start(name: str, data_dir: Path, log_path: Path, bucket: bool = False) -> se
         return servers.start_buildvault_on_bucket(data_dir, log_path)
     if name == "buildvault":
         return servers.start_buildvault(data_dir, log_path)
+    if name == "buildgrid-0.9":
+        return servers.start_buildgrid_09(data_dir, log_path)
     return servers.start_buildgrid(data_dir, log_path)
 
 
@@ -194,11 +225,12 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[str, dict[str, Any]]]:
-    """Per scenario: values per server (rep order kept), per-rep ratios."""
+    """Per scenario: values per server (rep order kept), per-rep ratios buildvault/peer per peer."""
+    names = list(runs)
     order: list[str] = []
     table: dict[str, dict[str, Any]] = {}
     reps = max(len(v) for v in runs.values())
-    for name in SERVERS:
+    for name in names:
         for rep, document in enumerate(runs[name]):
             for row in document.get("results", []):
                 scenario = row["scenario"]
@@ -206,7 +238,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
                     order.append(scenario)
                     table[scenario] = {
                         "unit": row["unit"], "higher": row["higher_is_better"],
-                        "values": {s: [None] * reps for s in SERVERS}, "errors": [],
+                        "values": {s: [None] * reps for s in names}, "errors": [],
                     }
                 entry = table[scenario]
                 entry["unit"] = entry["unit"] or row["unit"]
@@ -215,11 +247,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
                 else:
                     entry["errors"].append(f"{name} run {rep + 1}: {row['error']}")
     for entry in table.values():
-        ratios = []
-        for a, b in zip(entry["values"]["buildvault"], entry["values"]["buildgrid"], strict=True):
-            if a is not None and b:
-                ratios.append(a / b)
-        entry["ratios"] = ratios
+        entry["ratios"] = {}
+        for peer in names[1:]:
+            pairs = zip(entry["values"]["buildvault"], entry["values"][peer], strict=True)
+            entry["ratios"][peer] = [a / b for a, b in pairs if a is not None and b]
     return order, table
 
 
@@ -230,13 +261,17 @@ def stats(values: list[float | None]) -> tuple[float | None, float | None, float
     return statistics.median(present), min(present), max(present)
 
 
-def verdict(scenario: str, entry: dict[str, Any]) -> tuple[str, str]:
-    """(target text, met?)."""
+def target_peer(names: list[str]) -> str:
+    return TARGET_PEER if TARGET_PEER in names else names[1]
+
+
+def verdict(scenario: str, entry: dict[str, Any], peer: str) -> tuple[str, str]:
+    """(target text, met?) with the ratio against `peer`."""
     if scenario in TARGETS:
         want = TARGETS[scenario]
-        if not entry["ratios"]:
+        if not entry["ratios"][peer]:
             return f"≥ {want:g}×", "—"
-        ratio = statistics.median(entry["ratios"])
+        ratio = statistics.median(entry["ratios"][peer])
         return f"≥ {want:g}×", "yes" if ratio >= want else "**no**"
     if scenario in ABSOLUTE_TARGETS:
         limit = ABSOLUTE_TARGETS[scenario]
@@ -247,15 +282,24 @@ def verdict(scenario: str, entry: dict[str, Any]) -> tuple[str, str]:
     return "", ""
 
 
+def span(values: tuple[float | None, float | None, float | None], digits: int = 1) -> str:
+    """median (min–max)"""
+    return f"{fmt(values[0], digits)} ({fmt(values[1], digits)}–{fmt(values[2], digits)})"
+
+
 def write_report(
     path: Path, args: argparse.Namespace, command: str, runs: dict[str, list[dict[str, Any]]],
     bazel: dict[str, Any] | None, bazel_error: str | None, meta: dict[str, Any],
 ) -> None:
     order, table = summarize(runs)
+    names = list(runs)
+    peers = names[1:]
+    goal = target_peer(names)
+    versions = ", ".join(f"BuildGrid {meta['buildgrid'][peer]}" for peer in peers)
     lines = [
         "# buildvault vs BuildGrid: benchmark results",
         "",
-        "Written by `bench/compare.py`; do not edit by hand. Both servers on loopback on the same",
+        "Written by `bench/compare.py`; do not edit by hand. All servers on loopback on the same",
         "machine as the client (bench/harness.py, one grpc.aio channel), each run on a fresh server",
         "with an empty data directory, the servers interleaved in rotated order. Every read-back",
         "was verified. Noise between runs is about ±30 %: read the ratio (buildvault / BuildGrid,",
@@ -269,8 +313,11 @@ def write_report(
         f"- date (UTC): {meta['date']}; wall time of the whole comparison: {meta['wall_min']:.1f} min;",
         f"  load average (1/5/15 min) at start {meta['load_start']}, at end {meta['load_end']}"
         " (anything above ~1 is other work sharing the 2 cores)",
-        f"- buildvault revision {meta['revision']}; BuildGrid {meta['buildgrid']} (PyPI), disk CAS,",
+        f"- buildvault revision {meta['revision']}; {versions} (PyPI), each a disk CAS,",
         "  LRU action cache stored in that CAS, no auth, no monitoring, thread-pool-size 64",
+        "  (0.9.x also: maximum-concurrent-rpcs 32, grpc.so_reuseport 0)",
+        f"- targets (issue 15) are ratios against {PEER_LABELS[goal]}; the machine is shared with other work,",
+        "  so read the load average above beside the figures",
         f"- repetitions: {args.reps}{' (quick sizes)' if args.quick else ''}"
         + ("; buildvault with the object-store tier on (moto_server on loopback)" if args.bucket else "")
         + (f"; scenarios: `{args.scenarios}`" if args.scenarios else ""),
@@ -278,24 +325,21 @@ def write_report(
         "",
         "## REAPI scenarios",
         "",
-        "| scenario | unit | buildvault median (min–max) | BuildGrid median (min–max) | ratio bv/BG (min–max) "
-        "| target | met |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+        "| scenario | unit | buildvault median (min–max) | "
+        + " | ".join(f"{PEER_LABELS[p]} median (min–max)" for p in peers) + " | "
+        + " | ".join(f"ratio bv/{PEER_LABELS[p]}" for p in peers) + f" | target vs {PEER_LABELS[goal]} | met |",
+        "| --- | --- |" + " ---: |" * (1 + 2 * len(peers)) + " --- | --- |",
     ]
     for scenario in order:
         entry = table[scenario]
-        bv = stats(entry["values"]["buildvault"])
-        bg = stats(entry["values"]["buildgrid"])
-        ratio = stats(entry["ratios"])
-        target, met = verdict(scenario, entry)
-        lines.append(
-            f"| {scenario} | {entry['unit']} | {fmt(bv[0])} ({fmt(bv[1])}–{fmt(bv[2])}) | "
-            f"{fmt(bg[0])} ({fmt(bg[1])}–{fmt(bg[2])}) | "
-            f"**{fmt(ratio[0], 2)}** ({fmt(ratio[1], 2)}–{fmt(ratio[2], 2)}) | "
-            f"{target} | {met} |"
-        )
+        target, met = verdict(scenario, entry, goal)
+        cells = [span(stats(entry["values"][name])) for name in names]
+        for peer in peers:
+            median, low, high = stats(entry["ratios"][peer])
+            cells.append(f"**{fmt(median, 2)}** ({fmt(low, 2)}–{fmt(high, 2)})")
+        lines.append(f"| {scenario} | {entry['unit']} | " + " | ".join(cells) + f" | {target} | {met} |")
     errors = [e for s in order for e in table[s]["errors"]]
-    failed_runs = [f"{name} run {i + 1}: exit {d.get('exit_code')}" for name in SERVERS
+    failed_runs = [f"{name} run {i + 1}: exit {d.get('exit_code')}" for name in names
                    for i, d in enumerate(runs[name]) if d.get("exit_code") != 0]
     lines += [""]
     if errors or failed_runs:
@@ -312,7 +356,7 @@ def write_report(
         "`server_rss_*` peak RSS of the server's process tree sampled every 20 ms (whole run, and",
         "while streaming the 512 MiB blobs). Harness wall time per run: "
         + ", ".join(
-            f"{name} {statistics.median([d['wall_s'] for d in runs[name]]):.0f} s" for name in SERVERS if runs[name]
+            f"{name} {statistics.median([d['wall_s'] for d in runs[name]]):.0f} s" for name in names if runs[name]
         )
         + ".",
         "",
@@ -354,12 +398,12 @@ def write_report(
     lines += [
         "<details><summary>Every run's values</summary>",
         "",
-        "| scenario | " + " | ".join(f"{name} run {i + 1}" for name in SERVERS for i in range(args.reps)) + " |",
-        "| --- |" + " ---: |" * (len(SERVERS) * args.reps),
+        "| scenario | " + " | ".join(f"{name} run {i + 1}" for name in names for i in range(args.reps)) + " |",
+        "| --- |" + " ---: |" * (len(names) * args.reps),
     ]
     for scenario in order:
         values = [table[scenario]["values"][name][i] if i < len(table[scenario]["values"][name]) else None
-                  for name in SERVERS for i in range(args.reps)]
+                  for name in names for i in range(args.reps)]
         lines.append(f"| {scenario} | " + " | ".join(fmt(v) for v in values) + " |")
     lines += ["", "</details>", ""]
     path.write_text("\n".join(lines) + kept_measurements(path), encoding="utf-8")
@@ -402,20 +446,21 @@ def load_average() -> str:
         return "?"
 
 
-def run_bazel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_bazel(args: argparse.Namespace, workdir: Path, peers: list[str]) -> dict[str, Any]:
     from bench import bazel_warm
 
     started: list[servers.Server] = []
     try:
         bv = servers.start_buildvault(workdir / "bazel-bv-data", workdir / "bazel-bv.log")
         started.append(bv)
-        bg = servers.start_buildgrid(workdir / "bazel-bg-data", workdir / "bazel-bg.log")
-        started.append(bg)
-        backends = {
+        backends: dict[str, dict[str, Any]] = {
             "buildvault": {"remote_cache": f"grpc://{bv.address}"},
             "disk_cache": {"disk_cache": workdir / "bazel-disk-cache"},
-            "buildgrid": {"remote_cache": f"grpc://{bg.address}"},
         }
+        for peer in peers:
+            server = start(peer, workdir / f"bazel-{peer}-data", workdir / f"bazel-{peer}.log")
+            started.append(server)
+            backends[peer] = {"remote_cache": f"grpc://{server.address}"}
         return bazel_warm.run(backends, workdir / "bazel", libs=args.bazel_libs, reps=args.bazel_reps, log=log)
     finally:
         for server in started:
@@ -432,11 +477,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="buildvault with the object-store tier on (the S3 test server on loopback)")  # fmt: skip
     parser.add_argument("--bazel-libs", type=int, default=60, help="generated libraries in the Bazel build")
     parser.add_argument("--bazel-reps", type=int, default=5, help="timed warm builds per backend")
-    parser.add_argument("--buildgrid-version", help="pin BuildGrid (default: newest for this Python)")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="BuildGrid lines to compare with, comma-separated (default %(default)s)")  # fmt: skip
+    parser.add_argument("--buildgrid-version", help="pin BuildGrid 0.4.x (default: newest for this Python)")
+    parser.add_argument("--buildgrid-09-version", default="0.9.1", help="BuildGrid 0.9.x (default %(default)s)")
+    parser.add_argument("--python313", help="Python >= 3.13 to make the BuildGrid 0.9.x venv with")
     parser.add_argument("--upgrade-buildgrid", action="store_true", help="reinstall/upgrade BuildGrid first")
     parser.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"), help="report path")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="limit of one harness run, seconds")
     args = parser.parse_args(argv)
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown or not peers:
+        parser.error(f"--peers takes one or more of {', '.join(PEERS)}; got {args.peers!r}")
+    names = ["buildvault", *peers]
 
     started_at = time.monotonic()
     command = " ".join(
@@ -448,16 +502,26 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "revision": git_revision(),
     }
-    meta["buildgrid"] = ensure_buildgrid(servers.BUILDGRID_VENV, args.buildgrid_version, args.upgrade_buildgrid)
+    meta["buildgrid"] = {}
+    if "buildgrid" in peers:
+        meta["buildgrid"]["buildgrid"] = ensure_buildgrid(
+            servers.BUILDGRID_VENV, args.buildgrid_version, args.upgrade_buildgrid
+        )
+    if "buildgrid-0.9" in peers:
+        meta["buildgrid"]["buildgrid-0.9"] = ensure_buildgrid(
+            servers.BUILDGRID_09_VENV, args.buildgrid_09_version, args.upgrade_buildgrid,
+            python=find_python313(args.python313),
+        )
     log(f"BuildGrid {meta['buildgrid']}; buildvault {meta['revision']}")
 
     workdir = Path(tempfile.mkdtemp(prefix="buildvault-compare-"))
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     bazel: dict[str, Any] | None = None
     bazel_error: str | None = None
     try:
         for rep in range(args.reps):
-            order = SERVERS[rep % 2:] + SERVERS[: rep % 2]
+            shift = rep % len(names)
+            order = names[shift:] + names[:shift]
             for name in order:
                 log(f"repetition {rep + 1}/{args.reps}: {name}")
                 data = workdir / f"{name}-{rep}"
@@ -472,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_bazel:
             meta["bazel"] = bazel_version()
             try:
-                bazel = run_bazel(args, workdir)
+                bazel = run_bazel(args, workdir, peers)
             except Exception as exc:
                 bazel_error = f"{type(exc).__name__}: {str(exc)[:600]}"
                 log(f"bazel figure failed: {bazel_error}")

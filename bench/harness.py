@@ -67,6 +67,7 @@ class Plan:
     batch_calls: dict[int, int]
     bs_sizes: tuple[int, ...]
     bs_chunks: tuple[int, ...]
+    bs_small_chunk: tuple[int, int]  # (blob size, chunk): Bazel 4's 16 KiB upload chunks, one size
     bs_count: dict[int, int]  # blob size -> blobs per scenario
     ac_ops: dict[int, int]
     ac_outputs: int
@@ -84,6 +85,7 @@ FULL = Plan(
     batch_calls={1: 60, 8: 160},
     bs_sizes=(1 * MiB, 64 * MiB, 512 * MiB),
     bs_chunks=(64 * KiB, 1 * MiB),
+    bs_small_chunk=(64 * MiB, 16 * KiB),
     bs_count={1 * MiB: 32, 64 * MiB: 2, 512 * MiB: 1},
     ac_ops={1: 300, 16: 960},
     ac_outputs=3,
@@ -101,6 +103,7 @@ QUICK = Plan(
     batch_calls={1: 3, 8: 8},
     bs_sizes=(10 * KiB, 200 * KiB, 2 * MiB + 1),
     bs_chunks=(64 * KiB, 1 * MiB),
+    bs_small_chunk=(200 * KiB, 16 * KiB),
     bs_count={10 * KiB: 2, 200 * KiB: 1, 2 * MiB + 1: 1},
     ac_ops={1: 5, 16: 16},
     ac_outputs=2,
@@ -619,8 +622,7 @@ def make_batch(concurrency: int, write: bool) -> Scenario:
     return Scenario(name, run, f"{verb}, 4 KiB blobs, 100 per call, concurrency {concurrency}")
 
 
-def make_bs_write(size_index: int, chunk_index: int, plan: Plan) -> Scenario:
-    size, chunk = plan.bs_sizes[size_index], plan.bs_chunks[chunk_index]
+def make_bs_write(size: int, chunk: int) -> Scenario:
     name = f"bs_write_{size_label(size)}_chunk{size_label(chunk)}"
 
     async def run(client: Client, plan: Plan, state: dict[str, Any]) -> Result:
@@ -849,7 +851,9 @@ def scenarios_for(plan: Plan) -> list[Scenario]:
     for c in plan.batch_calls:
         out += [make_batch(c, write=True), make_batch(c, write=False)]
     for s in range(len(plan.bs_sizes)):
-        out += [make_bs_write(s, c, plan) for c in range(len(plan.bs_chunks))]
+        size = plan.bs_sizes[s]
+        chunks = sorted({*plan.bs_chunks, *([plan.bs_small_chunk[1]] if plan.bs_small_chunk[0] == size else [])})
+        out += [make_bs_write(size, chunk) for chunk in chunks]
         out.append(make_bs_read(s, plan))
     for c in plan.ac_ops:
         out += [make_ac(c, write=True), make_ac(c, write=False)]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-BUILDGRID_VENV = BENCH / ".venv-buildgrid"
+BUILDGRID_VENV = BENCH / ".venv-buildgrid"  # the 0.4.4 line: the newest release for Python 3.11
+BUILDGRID_09_VENV = BENCH / ".venv-buildgrid-0.9"  # the current line: needs Python >= 3.13
 READY_PREFIX = "buildvault ready:"  # buildvault.logs.READY_PREFIX: the first banner line
 _READY_GRPC = re.compile(r"grpc=(\S+)")
 
@@ -154,12 +155,17 @@ def start_buildvault_on_bucket(data_dir: Path, log_path: Path, timeout: float = 
     return server
 
 
-def buildgrid_config(address: str, data_dir: Path) -> str:
+def buildgrid_config(address: str, data_dir: Path, line: str = "0.4") -> str:
     """Disk CAS + an ActionCache kept in that CAS (BuildGrid's LRU cache of refs, no database).
 
-    thread-pool-size is also gRPC's maximum_concurrent_rpcs in BuildGrid: the default
-    (5 x cores = 10 here) answers RESOURCE_EXHAUSTED to a 16-way client, so it is raised.
+    0.4.4: thread-pool-size is also gRPC's maximum_concurrent_rpcs: the default (5 x cores = 10
+    here) answers RESOURCE_EXHAUSTED to a 16-way client, so it is raised.
+    0.9.x ("0.9"): the same shape; the concurrency limit is its own key (32, twice the harness's
+    widest fan-out) and SO_REUSEPORT is off, so a lingering server can never share the port.
     """
+    tuning = "thread-pool-size: 64"
+    if line == "0.9":
+        tuning = "thread-pool-size: 64\nmaximum-concurrent-rpcs: 32\ngrpc-server-options:\n  grpc.so_reuseport: 0"
     return textwrap.dedent(
         f"""\
         description: buildvault benchmark baseline (disk CAS + AC, no auth, no monitoring)
@@ -171,7 +177,7 @@ def buildgrid_config(address: str, data_dir: Path) -> str:
           method: none
         monitoring:
           enabled: false
-        thread-pool-size: 64
+        TUNING
         storages:
           - !disk-storage &cas
             path: {data_dir / "cas"}
@@ -191,14 +197,17 @@ def buildgrid_config(address: str, data_dir: Path) -> str:
               - !bytestream
                 storage: *cas
         """
-    )
+    ).replace("TUNING", tuning)  # after dedent: the tuning lines start at column 0
 
 
 def buildgrid_bgd(venv: Path = BUILDGRID_VENV) -> Path:
     return venv / "bin" / "bgd"
 
 
-def start_buildgrid(data_dir: Path, log_path: Path, venv: Path = BUILDGRID_VENV, timeout: float = 60.0) -> Server:
+def start_buildgrid(
+    data_dir: Path, log_path: Path, venv: Path = BUILDGRID_VENV, timeout: float = 60.0, line: str = "0.4",
+    name: str = "buildgrid",
+) -> Server:
     bgd = buildgrid_bgd(venv)
     if not bgd.exists():
         raise ServerError(f"BuildGrid is not installed in {venv} (bench/compare.py installs it)")
@@ -206,15 +215,20 @@ def start_buildgrid(data_dir: Path, log_path: Path, venv: Path = BUILDGRID_VENV,
     (data_dir / "cas").mkdir(exist_ok=True)
     address = f"127.0.0.1:{free_port()}"
     config = data_dir / "buildgrid.yml"
-    config.write_text(buildgrid_config(address, data_dir), encoding="utf-8")
+    config.write_text(buildgrid_config(address, data_dir, line), encoding="utf-8")
     process = _spawn([str(bgd), "server", "start", str(config)], log_path, data_dir)
-    server = Server("buildgrid", address, process, log_path, data_dir)
+    server = Server(name, address, process, log_path, data_dir)
     try:
         wait_grpc_ready(address, timeout, process)
     except ServerError as exc:
         stop(server)
         raise ServerError(f"{exc}\n{server.log_tail()}") from None
     return server
+
+
+def start_buildgrid_09(data_dir: Path, log_path: Path, timeout: float = 60.0) -> Server:
+    """BuildGrid 0.9.x from its own venv (bench/compare.py makes it with a Python 3.13)."""
+    return start_buildgrid(data_dir, log_path, BUILDGRID_09_VENV, timeout, line="0.9", name="buildgrid-0.9")
 
 
 def wait_grpc_ready(address: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
