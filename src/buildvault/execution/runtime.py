@@ -80,7 +80,7 @@ class ExecutionRuntime:
         executor = Executor(config, blobs, action_cache, list(workers), queue_url=settings.queue)
         if isinstance(executor.scheduler, RedisScheduler):
             try:
-                await executor.scheduler.start()
+                await executor.start()
             except Exception as e:
                 raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
         return cls(settings, executor, workers, kind)

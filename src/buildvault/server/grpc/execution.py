@@ -64,7 +64,7 @@ class ExecutionService:
         self, request: re_pb2.WaitExecutionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         await self._check_permission(context)
-        operation = self.executor.get(request.name)
+        operation = await self.executor.lookup(request.name)
         if operation is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no operation named {request.name!r} (unknown or expired)")
         assert operation is not None
