@@ -103,15 +103,23 @@ async def test_two_servers_share_operations_and_in_flight_dedup(buildvault_serve
         # B knows A's operation: GetOperation answers its state, WaitExecution follows it.
         got = await operations_stub(on_b).GetOperation(operations_pb2.GetOperationRequest(name=name))
         assert got.name == name and not got.done
-        waited = asyncio.ensure_future(_all(execution_stub(on_b).WaitExecution(re_pb2.WaitExecutionRequest(name=name))))
-        # The same action Executed on B joins A's job instead of running again.
-        executed_b = asyncio.ensure_future(_all(execution_stub(on_b).Execute(_request(digest))))
+        wait_call = execution_stub(on_b).WaitExecution(re_pb2.WaitExecutionRequest(name=name))
+        first_waited = await wait_call.read()
+        assert first_waited.name == name and not first_waited.done
+        waited = asyncio.ensure_future(_rest(wait_call))
+        # The same action Executed on B joins A's job instead of running again (its first message
+        # comes once B has decided).
+        call_b = execution_stub(on_b).Execute(_request(digest))
+        first_b = await call_b.read()
+        executed_b = asyncio.ensure_future(_rest(call_b))
         await wait_until(lambda: started_jobs(redis.url), 60, "the job to start on the worker")
         gate.touch()
         response_a = final_response([first, *await asyncio.wait_for(rest_a, 60)])
-        response_waited = final_response(await asyncio.wait_for(waited, 60))
-        messages_b = await asyncio.wait_for(executed_b, 60)
+        response_waited = final_response([first_waited, *await asyncio.wait_for(waited, 60)])
+        messages_b = [first_b, *await asyncio.wait_for(executed_b, 60)]
         response_b = final_response(messages_b)
+        assert not response_b.cached_result
+        assert b.status()["execution"]["dedup_merges"] == 1
         assert response_a.status.code == code_pb2.OK and response_a.result.exit_code == 0, response_a
         assert response_a.result.stdout_digest.size_bytes > 0
         # Random output, identical everywhere: one run served all three.
@@ -190,3 +198,32 @@ async def test_a_more_urgent_job_queued_later_runs_first(buildvault_server_facto
     assert all(r.result.exit_code == 0 for r in (blocked, low_done, high_done))
     started = [r.result.execution_metadata.worker_start_timestamp.ToNanoseconds() for r in (low_done, high_done)]
     assert started[1] < started[0], "the priority -50 job should start before the priority 50 one"
+
+
+async def test_an_operation_whose_server_stopped_is_not_found_elsewhere(buildvault_server_factory, redis, worker,
+                                                                         tmp_path):  # fmt: skip
+    a = buildvault_server_factory("a", extra_args=["--queue", redis.url])
+    b = buildvault_server_factory("b", extra_args=["--queue", redis.url])
+    worker(a)
+    spec = gated(tmp_path / "never", "true", salt=uuid.uuid4().bytes)
+    async with (
+        grpc.aio.insecure_channel(a.grpc_address, options=CLIENT_OPTIONS) as on_a,
+        grpc.aio.insecure_channel(b.grpc_address, options=CLIENT_OPTIONS) as on_b,
+    ):
+        digest = await spec.upload(make_stubs(on_a))
+        call_a = execution_stub(on_a).Execute(_request(digest))
+        name = (await call_a.read()).name
+        wait_call = execution_stub(on_b).WaitExecution(re_pb2.WaitExecutionRequest(name=name))
+        assert not (await wait_call.read()).done
+        following = asyncio.ensure_future(_rest(wait_call))
+        await wait_until(lambda: started_jobs(redis.url), 60, "the job to start on the worker")
+        a.stop()
+        # The stream on B ends with a retryable answer (Bazel Executes again).
+        lost = final_response(await asyncio.wait_for(following, 30))
+        assert lost.status.code == code_pb2.UNAVAILABLE, lost
+    # A server that never saw the operation, A restarted, answers NOT_FOUND (Bazel re-Executes).
+    a.start()
+    async with grpc.aio.insecure_channel(a.grpc_address, options=CLIENT_OPTIONS) as restarted:
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await operations_stub(restarted).GetOperation(operations_pb2.GetOperationRequest(name=name))
+        assert again.value.code() == grpc.StatusCode.NOT_FOUND

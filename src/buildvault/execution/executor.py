@@ -75,7 +75,7 @@ class Executor:
         self.shared: SharedJobs | None = None
         if queue_url:
             self.scheduler = RedisScheduler(queue_url, config.rules, self._finished)
-            self.shared = SharedJobs(SharedState(self.scheduler.redis, KEEP_FINISHED))
+            self.shared = SharedJobs(SharedState(self.scheduler.redis, KEEP_FINISHED), self.scheduler.server_id)
         else:
             self.scheduler = Scheduler(workers, config.rules, self._finished)
         self._in_flight: dict[tuple[str, str], Job] = {}
@@ -162,7 +162,7 @@ class Executor:
     async def _submit_shared(self, shared: SharedJobs, job: Job) -> Operation:
         """Redis mode: join the job another Execute (on any server) runs for this action, or queue."""
         key = job.dedup_key
-        await shared.state.create_job(job.id, key)
+        await shared.state.create_job(job.id, key, shared.server_id)
         if key is not None:
             other = await shared.state.claim_in_flight(key, job.id)
             if other is not None:
@@ -175,7 +175,7 @@ class Executor:
                         operation = self.operations.create(running, job.action_digest)
                         await shared.state.save_operation(operation.name, job.action_digest, other, None)
                         return operation
-                    await shared.state.create_job(job.id, key)
+                    await shared.state.create_job(job.id, key, shared.server_id)
                 # The job the index named ended or was cancelled: this one replaces it.
                 await shared.state.take_over_in_flight(key, job.id)
         shared.track(job)

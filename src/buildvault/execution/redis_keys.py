@@ -13,6 +13,7 @@
 - `bv:op:<name>`         hash: an operation: its job id, action digest, or its own response
 - `bv:inflight:<instance>:<action>`  the id of the job running that action (dedup across servers)
 - `bv:events`            a stream of job state changes every server follows (capped)
+- `bv:server:<id>`       a server's heartbeat (short TTL): the jobs it owns are alive
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ JOB = "bv:job:"
 OPERATION = "bv:op:"
 IN_FLIGHT = "bv:inflight:"
 EVENTS = "bv:events"
+SERVER = "bv:server:"
+# A server's heartbeat lasts this long, refreshed three times as often.
+SERVER_TTL = 15
 GROUP = "workers"
 # A worker unseen for this long no longer counts as offering its platform.
 WORKER_STALE = 30.0

@@ -1,11 +1,12 @@
 """The executor's side of shared state (Redis mode): jobs it owns published, others' followed.
 
-    shared = SharedJobs(SharedState(redis, keep_finished))
+    shared = SharedJobs(SharedState(redis, keep_finished), server_id)
     shared.track(job)                         # an owned job: every change goes to Redis, in order
     job = await shared.job_for(job_id, ...)   # an owned job, or a copy kept current from events
 
 Copies (`Job.owned` False) change only through `_apply`, from `bv:events` or from a re-read of
-the job's hash every few seconds (which also ends a copy whose state expired: its owner is gone).
+the job's hash every few seconds. A job whose owner stopped (its heartbeat expired) is not
+found (Bazel then Executes again), and a copy of it ends UNAVAILABLE (Bazel retries).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.digest import Digest
+from buildvault.execution import redis_keys as keys
 from buildvault.execution.operations import Job
 from buildvault.execution.shared_state import JobState, SharedState
 from buildvault.remote_apis import re_pb2
@@ -24,6 +26,8 @@ log = logging.getLogger("buildvault.execution")
 
 # Copies are re-read this often: a missed event costs at most this much delay.
 REFRESH = 5.0
+# A blocking read waits at most this long: below redis-py's socket timeout.
+BLOCK_MS = 2000
 
 
 def _history(stage: int) -> list[int]:
@@ -33,8 +37,9 @@ def _history(stage: int) -> list[int]:
 
 
 class SharedJobs:
-    def __init__(self, state: SharedState) -> None:
+    def __init__(self, state: SharedState, server_id: str) -> None:
         self.state = state
+        self.server_id = server_id
         self._owned: dict[str, Job] = {}  # queued here, not done yet
         self._copies: dict[str, Job] = {}  # queued elsewhere, not done yet
         self._outbox: asyncio.Queue[tuple[str, JobState]] = asyncio.Queue()
@@ -42,7 +47,9 @@ class SharedJobs:
 
     async def start(self) -> None:
         last = await self.state.last_event()
+        await self.state.heartbeat(self.server_id)
         self._tasks = [
+            asyncio.create_task(self._heartbeat(), name="server heartbeat"),
             asyncio.create_task(self._publish(), name="publish job states"),
             asyncio.create_task(self._follow(last), name="follow job states"),
         ]
@@ -51,6 +58,18 @@ class SharedJobs:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await self.state.stop_heartbeat(self.server_id)
+        except Exception:
+            log.exception("cannot remove this server's heartbeat from Redis")
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(keys.SERVER_TTL / 3)
+            try:
+                await self.state.heartbeat(self.server_id)
+            except Exception:
+                log.exception("cannot refresh this server's heartbeat in Redis")
 
     # -- owned jobs -----------------------------------------------------------------------
 
@@ -92,7 +111,7 @@ class SharedJobs:
         if known is not None:
             self._apply(job, known)
         state = await self.state.job_state(job_id)
-        if state is None and job.seq < 0:
+        if (state is None or state.owner_gone) and not job.done:
             self._copies.pop(job_id, None)
             return None
         if state is not None:
@@ -119,7 +138,7 @@ class SharedJobs:
         refreshed = loop.time()
         while True:
             try:
-                last, events = await self.state.read_events(last, block_ms=int(REFRESH * 1000))
+                last, events = await self.state.read_events(last, block_ms=BLOCK_MS)
                 for job_id, state in events:
                     job = self._copies.get(job_id)
                     if job is not None:
@@ -136,15 +155,10 @@ class SharedJobs:
     async def _refresh(self) -> None:
         for job in list(self._copies.values()):
             state = await self.state.job_state(job.id)
-            if state is not None:
+            if state is not None and not state.owner_gone:
                 self._apply(job, state)
             elif not job.done:
                 self._copies.pop(job.id, None)
-                job.finish(
-                    re_pb2.ExecuteResponse(
-                        status=status_pb2.Status(
-                            code=code_pb2.UNAVAILABLE,
-                            message="the job's state expired in Redis (the server that queued it stopped?)",
-                        )
-                    )
-                )
+                why = "its state expired in Redis" if state is None else "the server that queued it stopped"
+                status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message=f"the job was lost: {why}; ask again")
+                job.finish(re_pb2.ExecuteResponse(status=status))

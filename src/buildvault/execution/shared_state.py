@@ -21,11 +21,13 @@ from buildvault.remote_apis import re_pb2
 JOB_TTL = 4 * 3600
 EVENTS_MAXLEN = 100_000
 
-# Add one live operation to a job that is still running and not cancelled; its state, or nil.
+# Add one live operation to a job that is still running, not cancelled, and whose owner is alive;
+# its state, or nil.
 _JOIN = """
 if redis.call('exists', KEYS[1]) == 0 then return nil end
-local state = redis.call('hmget', KEYS[1], 'seq', 'stage', 'worker', 'done', 'cancelled', 'ops')
+local state = redis.call('hmget', KEYS[1], 'seq', 'stage', 'worker', 'done', 'cancelled', 'ops', 'owner')
 if state[4] == '1' or state[5] == '1' or tonumber(state[6] or '0') <= 0 then return nil end
+if not state[7] or redis.call('exists', ARGV[1] .. state[7]) == 0 then return nil end
 redis.call('hincrby', KEYS[1], 'ops', 1)
 return {state[1], state[2], state[3]}
 """
@@ -55,9 +57,11 @@ class JobState:
     stage: int
     worker: str
     response: re_pb2.ExecuteResponse | None
+    # The server that queued it stopped (its heartbeat expired) before it finished.
+    owner_gone: bool = False
 
     @classmethod
-    def from_fields(cls, fields: dict[bytes, bytes]) -> JobState:
+    def from_fields(cls, fields: dict[bytes, bytes], owner_gone: bool = False) -> JobState:
         response = None
         if fields.get(b"done") == b"1":
             response = re_pb2.ExecuteResponse()
@@ -67,6 +71,7 @@ class JobState:
             stage=int(fields.get(b"stage", b"0")),
             worker=fields.get(b"worker", b"").decode(),
             response=response,
+            owner_gone=owner_gone and response is None,
         )
 
 
@@ -93,9 +98,16 @@ class SharedState:
 
     # -- jobs -----------------------------------------------------------------------------
 
-    async def create_job(self, job_id: str, dedup_key: tuple[str, str] | None) -> None:
+    async def heartbeat(self, server_id: str) -> None:
+        await self.redis.set(keys.SERVER + server_id, 1, ex=keys.SERVER_TTL)
+
+    async def stop_heartbeat(self, server_id: str) -> None:
+        await self.redis.delete(keys.SERVER + server_id)
+
+    async def create_job(self, job_id: str, dedup_key: tuple[str, str] | None, owner: str) -> None:
         """The owner's first record of a job: one live operation (its own)."""
-        fields = {"seq": 0, "stage": re_pb2.ExecutionStage.QUEUED, "worker": "", "ops": 1, "done": 0, "cancelled": 0}
+        fields = {"seq": 0, "stage": re_pb2.ExecutionStage.QUEUED, "worker": "", "ops": 1, "done": 0, "cancelled": 0,
+                  "owner": owner}  # fmt: skip
         if dedup_key is not None:
             fields["inflight"] = in_flight_key(dedup_key)
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -117,7 +129,7 @@ class SharedState:
 
     async def join(self, job_id: str) -> JobState | None:
         """One more live operation on `job_id`, or None when it is gone, done or cancelled."""
-        state = await self._join(keys=[keys.JOB + job_id])
+        state = await self._join(keys=[keys.JOB + job_id], args=[keys.SERVER])
         if state is None:
             return None
         seq, stage, worker = state
@@ -149,7 +161,11 @@ class SharedState:
 
     async def job_state(self, job_id: str) -> JobState | None:
         fields = await self.redis.hgetall(keys.JOB + job_id)
-        return JobState.from_fields(fields) if fields else None
+        if not fields:
+            return None
+        owner = fields.get(b"owner", b"").decode()
+        alive = bool(owner) and bool(await self.redis.exists(keys.SERVER + owner))
+        return JobState.from_fields(fields, owner_gone=not alive)
 
     async def is_cancelled(self, job_id: str) -> bool:
         return bool(await self.redis.hget(keys.JOB + job_id, "cancelled") == b"1")
