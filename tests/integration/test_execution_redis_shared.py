@@ -131,6 +131,9 @@ async def test_two_servers_share_operations_and_in_flight_dedup(buildvault_serve
         assert done.done
         later = re_pb2.ExecuteResponse()
         assert done.response.Unpack(later) and later.result == response_a.result
+        # Published with the done state (B has seen it): the next Execute is a cache hit, not a join.
+        with redis_client.Redis.from_url(redis.url) as r:
+            assert not list(r.scan_iter("bv:inflight:*"))
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
             await operations_stub(on_b).GetOperation(
                 operations_pb2.GetOperationRequest(name=f"operations/{uuid.uuid4()}")

@@ -25,7 +25,14 @@ from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.actions import ActionCache
 from buildvault.digest import Digest, DigestFunction, verify_instance_name
-from buildvault.execution.operations import KEEP_FINISHED, Job, Operation, OperationTable, cancelled_response
+from buildvault.execution.operations import (
+    KEEP_FINISHED,
+    Job,
+    Operation,
+    OperationTable,
+    cancelled_response,
+    new_operation_name,
+)
 from buildvault.execution.platform import MatchRules, PlatformError, format_properties
 from buildvault.execution.redis_scheduler import RedisScheduler
 from buildvault.execution.requests import InvalidRequest, load_action
@@ -162,25 +169,25 @@ class Executor:
     async def _submit_shared(self, shared: SharedJobs, job: Job) -> Operation:
         """Redis mode: join the job another Execute (on any server) runs for this action, or queue."""
         key = job.dedup_key
-        await shared.state.create_job(job.id, key, shared.server_id)
-        if key is not None:
+        name = new_operation_name()
+        # The common case, no identical job in flight, is this one round trip.
+        claimed = await shared.state.create_job(job.id, key, shared.server_id, (name, job.action_digest))
+        if not claimed and key is not None:
             other = await shared.state.claim_in_flight(key, job.id)
             if other is not None:
                 joined = await shared.state.join(other)
+                running = None
                 if joined is not None:
-                    await shared.state.drop_job(job.id)
                     running = await shared.job_for(other, job.instance, job.action_digest, joined)
-                    if running is not None:
-                        self.stats.dedup_merges += 1
-                        operation = self.operations.create(running, job.action_digest)
-                        await shared.state.save_operation(operation.name, job.action_digest, other, None)
-                        return operation
-                    await shared.state.create_job(job.id, key, shared.server_id)
+                if running is not None:
+                    await shared.state.drop_job(job.id)
+                    await shared.state.save_operation(name, job.action_digest, other, None)
+                    self.stats.dedup_merges += 1
+                    return self.operations.adopt(name, running, job.action_digest)
                 # The job the index named ended or was cancelled: this one replaces it.
                 await shared.state.take_over_in_flight(key, job.id)
         shared.track(job)
-        operation = self.operations.create(job, job.action_digest)
-        await shared.state.save_operation(operation.name, job.action_digest, job.id, None)
+        operation = self.operations.adopt(name, job, job.action_digest)
         self.scheduler.submit(job)
         return operation
 
@@ -207,12 +214,8 @@ class Executor:
                 await self.action_cache.update(job.instance, job.action_digest, response.result)
             except Exception:
                 log.exception("cannot store the result of %s in the action cache", job.action_digest)
-        if self.shared is not None and job.dedup_key is not None:
-            # After the ActionCache write: an Execute in between is a cache hit, not a second run.
-            try:
-                await self.shared.state.forget_in_flight(job.dedup_key, job.id)
-            except Exception:
-                log.exception("cannot drop job %s from the in-flight index", job.id)
+        # Redis mode: the job leaves the in-flight index when its done state is published, after
+        # this ActionCache write (an Execute in between joins it and gets the same result).
         return response
 
     async def _attach_log(self, response: re_pb2.ExecuteResponse) -> None:

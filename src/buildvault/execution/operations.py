@@ -91,6 +91,10 @@ class Job:
         return [op for op in self.operations if not op.cancelled]
 
 
+def new_operation_name() -> str:
+    return f"operations/{uuid.uuid4()}"
+
+
 def cancelled_response(message: str) -> re_pb2.ExecuteResponse:
     return re_pb2.ExecuteResponse(status=status_pb2.Status(code=code_pb2.CANCELLED, message=message))
 
@@ -184,7 +188,7 @@ class OperationTable:
     def create(
         self, job: Job | None, action_digest: Digest, response: re_pb2.ExecuteResponse | None = None
     ) -> Operation:
-        return self.adopt(f"operations/{uuid.uuid4()}", job, action_digest, response)
+        return self.adopt(new_operation_name(), job, action_digest, response)
 
     def adopt(
         self, name: str, job: Job | None, action_digest: Digest, response: re_pb2.ExecuteResponse | None = None

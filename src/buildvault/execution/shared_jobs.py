@@ -42,7 +42,7 @@ class SharedJobs:
         self.server_id = server_id
         self._owned: dict[str, Job] = {}  # queued here, not done yet
         self._copies: dict[str, Job] = {}  # queued elsewhere, not done yet
-        self._outbox: asyncio.Queue[tuple[str, JobState]] = asyncio.Queue()
+        self._outbox: asyncio.Queue[tuple[Job, JobState]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -79,18 +79,18 @@ class SharedJobs:
 
     def _changed(self, job: Job) -> None:
         job.seq += 1
-        self._outbox.put_nowait((job.id, JobState(job.seq, job.stage, job.worker, job.response)))
+        self._outbox.put_nowait((job, JobState(job.seq, job.stage, job.worker, job.response)))
         if job.done:
             self._owned.pop(job.id, None)
 
     async def _publish(self) -> None:
         # One task, so the changes of a job reach Redis in the order they happened.
         while True:
-            job_id, state = await self._outbox.get()
+            job, state = await self._outbox.get()
             try:
-                await self.state.publish(job_id, state)
+                await self.state.publish(job.id, state, job.dedup_key)
             except Exception:
-                log.exception("cannot publish the state of job %s to Redis", job_id)
+                log.exception("cannot publish the state of job %s to Redis", job.id)
 
     # -- copies ---------------------------------------------------------------------------
 

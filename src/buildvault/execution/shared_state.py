@@ -104,8 +104,16 @@ class SharedState:
     async def stop_heartbeat(self, server_id: str) -> None:
         await self.redis.delete(keys.SERVER + server_id)
 
-    async def create_job(self, job_id: str, dedup_key: tuple[str, str] | None, owner: str) -> None:
-        """The owner's first record of a job: one live operation (its own)."""
+    async def create_job(
+        self,
+        job_id: str,
+        dedup_key: tuple[str, str] | None,
+        owner: str,
+        operation: tuple[str, Digest] | None = None,
+    ) -> bool:
+        """The owner's first record of a job (one live operation, its own), its `operation`, and
+        the claim of the in-flight index, in one round trip. False: another job holds the index
+        (see `claim_in_flight`)."""
         fields = {"seq": 0, "stage": re_pb2.ExecutionStage.QUEUED, "worker": "", "ops": 1, "done": 0, "cancelled": 0,
                   "owner": owner}  # fmt: skip
         if dedup_key is not None:
@@ -113,7 +121,12 @@ class SharedState:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(keys.JOB + job_id, mapping=fields)
             pipe.expire(keys.JOB + job_id, JOB_TTL)
-            await pipe.execute()
+            if operation is not None:
+                self._operation(pipe, operation[0], operation[1], job_id, None)
+            if dedup_key is not None:
+                pipe.set(in_flight_key(dedup_key), job_id, nx=True, ex=JOB_TTL)
+            answers = await pipe.execute()
+        return dedup_key is None or bool(answers[-1])
 
     async def claim_in_flight(self, dedup_key: tuple[str, str], job_id: str) -> str | None:
         """Make `job_id` the in-flight job of its action; the id of the one already there, if any."""
@@ -121,6 +134,8 @@ class SharedState:
         if await self.redis.set(key, job_id, nx=True, ex=JOB_TTL):
             return None
         current = await self.redis.get(key)
+        if current is not None and current.decode() == job_id:
+            return None
         return current.decode() if current is not None else None
 
     async def take_over_in_flight(self, dedup_key: tuple[str, str], job_id: str) -> None:
@@ -145,11 +160,9 @@ class SharedState:
     async def add_operation(self, job_id: str) -> None:
         await self.redis.hincrby(keys.JOB + job_id, "ops", 1)
 
-    async def forget_in_flight(self, dedup_key: tuple[str, str], job_id: str) -> None:
-        await self._forget(keys=[in_flight_key(dedup_key)], args=[job_id])
-
-    async def publish(self, job_id: str, state: JobState) -> None:
-        """The owner's change of a job: its hash, then the event the other servers follow."""
+    async def publish(self, job_id: str, state: JobState, dedup_key: tuple[str, str] | None = None) -> None:
+        """The owner's change of a job: its hash, the event the other servers follow and, once
+        done (after the ActionCache write), its leaving the in-flight index."""
         fields: dict[str, Any] = {"seq": state.seq, "stage": state.stage, "worker": state.worker}
         if state.response is not None:
             fields.update(done=1, response=state.response.SerializeToString())
@@ -157,6 +170,8 @@ class SharedState:
             pipe.hset(keys.JOB + job_id, mapping=fields)
             pipe.expire(keys.JOB + job_id, self.keep_finished if state.response is not None else JOB_TTL)
             pipe.xadd(keys.EVENTS, {"id": job_id, **fields}, maxlen=EVENTS_MAXLEN, approximate=True)
+            if state.response is not None and dedup_key is not None:
+                await self._forget(keys=[in_flight_key(dedup_key)], args=[job_id], client=pipe)
             await pipe.execute()
 
     async def job_state(self, job_id: str) -> JobState | None:
@@ -190,14 +205,18 @@ class SharedState:
     async def save_operation(
         self, name: str, action_digest: Digest, job_id: str, response: re_pb2.ExecuteResponse | None
     ) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            self._operation(pipe, name, action_digest, job_id, response)
+            await pipe.execute()
+
+    def _operation(
+        self, pipe: Any, name: str, action_digest: Digest, job_id: str, response: re_pb2.ExecuteResponse | None
+    ) -> None:
         fields: dict[str, Any] = {"action": f"{action_digest.hash}/{action_digest.size_bytes}", "job": job_id}
         if response is not None:
             fields["response"] = response.SerializeToString()
-        ttl = self.keep_finished if response is not None else JOB_TTL
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.OPERATION + name, mapping=fields)
-            pipe.expire(keys.OPERATION + name, ttl)
-            await pipe.execute()
+        pipe.hset(keys.OPERATION + name, mapping=fields)
+        pipe.expire(keys.OPERATION + name, self.keep_finished if response is not None else JOB_TTL)
 
     async def load_operation(self, name: str) -> OperationRecord | None:
         fields = await self.redis.hgetall(keys.OPERATION + name)
