@@ -65,10 +65,13 @@ class RedisProcess:
 
 
 class WorkerProcess:
-    def __init__(self, server: str, queue: str, platform: str, work_dir: Path, name: str, lease: float = 3.0) -> None:
+    def __init__(
+        self, server: str, queue: str, platform: str, work_dir: Path, name: str, lease: float = 3.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
         self.argv = [
             sys.executable, "-m", "buildvault.cli", "worker", "--server", f"grpc://{server}", "--queue", queue,
-            "--platform", platform, "--work-dir", str(work_dir), "--name", name, "--lease", str(lease),
+            "--platform", platform, "--work-dir", str(work_dir), "--name", name, "--lease", str(lease), *extra_args,
         ]  # fmt: skip
         self.name = name
         self.log = work_dir.parent / f"{name.replace('/', '_')}.log"

@@ -25,11 +25,20 @@ from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.actions import ActionCache
 from buildvault.digest import Digest, DigestFunction, verify_instance_name
-from buildvault.execution.operations import Job, Operation, OperationTable, cancelled_response
+from buildvault.execution.operations import (
+    KEEP_FINISHED,
+    Job,
+    Operation,
+    OperationTable,
+    cancelled_response,
+    new_operation_name,
+)
 from buildvault.execution.platform import MatchRules, PlatformError, format_properties
 from buildvault.execution.redis_scheduler import RedisScheduler
 from buildvault.execution.requests import InvalidRequest, load_action
 from buildvault.execution.scheduler import Scheduler, Worker
+from buildvault.execution.shared_jobs import SharedJobs
+from buildvault.execution.shared_state import SharedState
 from buildvault.execution.stats import ExecutionStats
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import BlobStore, NotFound, single_chunk
@@ -69,8 +78,11 @@ class Executor:
         self.action_cache = action_cache
         self.operations = OperationTable()
         self.scheduler: Scheduler | RedisScheduler
+        # Redis mode: operations, job states and the in-flight index are shared by every server.
+        self.shared: SharedJobs | None = None
         if queue_url:
             self.scheduler = RedisScheduler(queue_url, config.rules, self._finished)
+            self.shared = SharedJobs(SharedState(self.scheduler.redis, KEEP_FINISHED), self.scheduler.server_id)
         else:
             self.scheduler = Scheduler(workers, config.rules, self._finished)
         self._in_flight: dict[tuple[str, str], Job] = {}
@@ -79,6 +91,13 @@ class Executor:
         self._cancelling: set[asyncio.Task[None]] = set()
         self.stats = ExecutionStats()
         self.scheduler.on_started = self.stats.started
+
+    async def start(self) -> None:
+        """Redis mode: connect, and follow the job states other servers publish."""
+        if isinstance(self.scheduler, RedisScheduler):
+            await self.scheduler.start()
+        if self.shared is not None:
+            await self.shared.start()
 
     # -- Execute --------------------------------------------------------------------------
 
@@ -106,9 +125,7 @@ class Executor:
         except PlatformError as e:
             raise InvalidRequest(str(e)) from None
         if not self.scheduler.could_run(requirements):
-            raise NoMatchingWorker(
-                f"no worker pool offers the platform {{{format_properties(requirements)}}}"
-            )
+            raise NoMatchingWorker(f"no worker pool offers the platform {{{format_properties(requirements)}}}")
         cacheable = not action.do_not_cache
         if cacheable and not skip_cache_lookup:
             try:
@@ -118,9 +135,12 @@ class Executor:
             else:
                 self.stats.cache_hit()
                 response = re_pb2.ExecuteResponse(result=cached, cached_result=True, status=status_pb2.Status())
-                return self.operations.create(None, action_digest, response)
+                hit = self.operations.create(None, action_digest, response)
+                if self.shared is not None:
+                    await self.shared.state.save_operation(hit.name, action_digest, "", response)
+                return hit
         key = (instance, action_digest.key) if cacheable else None
-        if key is not None:
+        if key is not None and self.shared is None:
             shared = self._in_flight.get(key)
             if shared is not None and not shared.done:
                 self.stats.dedup_merges += 1
@@ -138,9 +158,36 @@ class Executor:
             dedup_key=key,
             on_done=self.stats.finished,
         )
+        if self.shared is not None:
+            return await self._submit_shared(self.shared, job)
         if key is not None:
             self._in_flight[key] = job
         operation = self.operations.create(job, action_digest)
+        self.scheduler.submit(job)
+        return operation
+
+    async def _submit_shared(self, shared: SharedJobs, job: Job) -> Operation:
+        """Redis mode: join the job another Execute (on any server) runs for this action, or queue."""
+        key = job.dedup_key
+        name = new_operation_name()
+        # The common case, no identical job in flight, is this one round trip.
+        claimed = await shared.state.create_job(job.id, key, shared.server_id, (name, job.action_digest))
+        if not claimed and key is not None:
+            other = await shared.state.claim_in_flight(key, job.id)
+            if other is not None:
+                joined = await shared.state.join(other)
+                running = None
+                if joined is not None:
+                    running = await shared.job_for(other, job.instance, job.action_digest, joined)
+                if running is not None:
+                    await shared.state.drop_job(job.id)
+                    await shared.state.save_operation(name, job.action_digest, other, None)
+                    self.stats.dedup_merges += 1
+                    return self.operations.adopt(name, running, job.action_digest)
+                # The job the index named ended or was cancelled: this one replaces it.
+                await shared.state.take_over_in_flight(key, job.id)
+        shared.track(job)
+        operation = self.operations.adopt(name, job, job.action_digest)
         self.scheduler.submit(job)
         return operation
 
@@ -167,6 +214,8 @@ class Executor:
                 await self.action_cache.update(job.instance, job.action_digest, response.result)
             except Exception:
                 log.exception("cannot store the result of %s in the action cache", job.action_digest)
+        # Redis mode: the job leaves the in-flight index when its done state is published, after
+        # this ActionCache write (an Execute in between joins it and gets the same result).
         return response
 
     async def _attach_log(self, response: re_pb2.ExecuteResponse) -> None:
@@ -184,7 +233,30 @@ class Executor:
     # -- watching, cancelling -------------------------------------------------------------
 
     def get(self, name: str) -> Operation | None:
+        """An operation this server knows (see `lookup` for every server's)."""
         return self.operations.get(name)
+
+    async def lookup(self, name: str) -> Operation | None:
+        """The operation `name`; in Redis mode also one another server created (None: unknown or
+        expired). A copy here counts as one more live operation of its job until abandoned."""
+        operation = self.operations.get(name)
+        if operation is not None or self.shared is None:
+            return operation
+        record = await self.shared.state.load_operation(name)
+        if record is None:
+            return None
+        job = None
+        if record.response is None:
+            job = await self.shared.job_for(record.job_id, "", record.action_digest)
+            if job is None:
+                return None
+        operation = self.operations.get(name)  # another lookup may have adopted it meanwhile
+        if operation is not None:
+            return operation
+        operation = self.operations.adopt(name, job, record.action_digest, record.response)
+        if job is not None and not job.done:
+            await self.shared.state.add_operation(job.id)
+        return operation
 
     async def follow(self, operation: Operation, from_start: bool = False) -> AsyncIterator[operations_pb2.Operation]:
         """`operation.watch()` while counting the caller as a watcher (see `execution_grace`).
@@ -195,6 +267,9 @@ class Executor:
             raise ShuttingDown("the server is shutting down; ask again")
         operation.watchers += 1
         self._cancel_orphan_check(operation.job)
+        if operation.abandoned and self.shared is not None and operation.job is not None:
+            operation.abandoned = False
+            await self.shared.state.add_operation(operation.job.id)
         messages = aiter(operation.watch(from_start))
         closing = asyncio.ensure_future(self._closing.wait())
         try:
@@ -230,16 +305,36 @@ class Executor:
     def _orphan_check(self, job: Job) -> None:
         self._orphan_checks.pop(job.id, None)
         if not job.done and not any(op.watchers for op in job.live_operations()):
-            log.info("job %s: no client waited for %gs, cancelling it", job.id, self.config.grace)
-            task = asyncio.get_running_loop().create_task(
-                self.scheduler.cancel(job, f"no client waited for the result for {self.config.grace:g}s")
-            )
+            message = f"no client waited for the result for {self.config.grace:g}s"
+            if self.shared is not None:
+                stop = self._abandon(self.shared, job, message)
+            else:
+                log.info("job %s: no client waited for %gs, cancelling it", job.id, self.config.grace)
+                stop = self.scheduler.cancel(job, message)
+            task = asyncio.get_running_loop().create_task(stop)
             self._cancelling.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._cancelling.discard)
 
+    async def _abandon(self, shared: SharedJobs, job: Job, message: str) -> None:
+        """Redis mode: this server's unwatched operations stop counting; the job stops when no
+        server has a live operation on it."""
+        unwatched = [op for op in job.live_operations() if not op.abandoned and not op.watchers]
+        for op in unwatched:
+            op.abandoned = True
+        if unwatched and await shared.state.release(job.id, len(unwatched)) <= 0:
+            log.info("job %s: no client on any server waited for %gs, cancelling it", job.id, self.config.grace)
+            await self._stop(job, message)
+
+    async def _stop(self, job: Job, message: str) -> None:
+        if job.owned or not isinstance(self.scheduler, RedisScheduler):
+            await self.scheduler.cancel(job, message)
+        else:
+            await self.scheduler.cancel_elsewhere(job.id)
+
     async def cancel(self, name: str) -> bool:
-        """Cancel one operation (False: unknown name). Its job stops when no live operation is left."""
-        operation = self.operations.get(name)
+        """Cancel one operation (False: unknown name). Its job stops when no live operation is left
+        (in Redis mode: on any server)."""
+        operation = await self.lookup(name)
         if operation is None:
             return False
         if operation.done:
@@ -247,10 +342,17 @@ class Executor:
         operation.cancelled = True
         operation.response = cancelled_response("the operation was cancelled")
         job = operation.job
+        if self.shared is not None:
+            await self.shared.state.save_operation(name, operation.action_digest, "", operation.response)
         if job is not None:
             job.notify()
-            if not job.live_operations():
-                await self.scheduler.cancel(job, "every operation waiting for this job was cancelled")
+            message = "every operation waiting for this job was cancelled"
+            if self.shared is not None:
+                counted = 0 if operation.abandoned else 1
+                if await self.shared.state.release(job.id, counted) <= 0:
+                    await self._stop(job, message)
+            elif not job.live_operations():
+                await self.scheduler.cancel(job, message)
         return True
 
     async def close(self) -> None:
@@ -258,4 +360,6 @@ class Executor:
         for handle in self._orphan_checks.values():
             handle.cancel()
         self._orphan_checks.clear()
+        if self.shared is not None:
+            await self.shared.close()
         await self.scheduler.close()

@@ -55,6 +55,11 @@ class Job:
     # Every stage the job entered, in order (a retried job goes QUEUED, EXECUTING, QUEUED, ...).
     history: list[int] = field(default_factory=list)
     on_done: Callable[[Job], None] | None = None
+    # Redis mode: every change is published (execution.shared_state); `owned` False: a copy of a
+    # job another server queued, kept current from its events; `seq` orders those changes.
+    on_change: Callable[[Job], None] | None = None
+    owned: bool = True
+    seq: int = 0
 
     @property
     def done(self) -> bool:
@@ -68,6 +73,8 @@ class Job:
     def set_stage(self, stage: int) -> None:
         self.stage = stage
         self.history.append(stage)
+        if self.on_change is not None:
+            self.on_change(self)
         self.notify()
 
     def finish(self, response: re_pb2.ExecuteResponse) -> None:
@@ -76,10 +83,16 @@ class Job:
             self.stage = re_pb2.ExecutionStage.COMPLETED
             if self.on_done is not None:
                 self.on_done(self)
+            if self.on_change is not None:
+                self.on_change(self)
             self.notify()
 
     def live_operations(self) -> list[Operation]:
         return [op for op in self.operations if not op.cancelled]
+
+
+def new_operation_name() -> str:
+    return f"operations/{uuid.uuid4()}"
 
 
 def cancelled_response(message: str) -> re_pb2.ExecuteResponse:
@@ -97,6 +110,9 @@ class Operation:
     cancelled: bool = False
     watchers: int = 0
     finished_at: float | None = None
+    # Redis mode: no client watched it for the grace period, so it no longer counts as live
+    # (shared_state `ops`); a client that comes back makes it count again.
+    abandoned: bool = False
 
     @property
     def done(self) -> bool:
@@ -172,8 +188,13 @@ class OperationTable:
     def create(
         self, job: Job | None, action_digest: Digest, response: re_pb2.ExecuteResponse | None = None
     ) -> Operation:
+        return self.adopt(new_operation_name(), job, action_digest, response)
+
+    def adopt(
+        self, name: str, job: Job | None, action_digest: Digest, response: re_pb2.ExecuteResponse | None = None
+    ) -> Operation:
+        """An operation under a given name (Redis mode: one another server created)."""
         self.expire()
-        name = f"operations/{uuid.uuid4()}"
         operation = Operation(name=name, job=job, action_digest=action_digest, response=response)
         if job is not None:
             job.operations.append(operation)

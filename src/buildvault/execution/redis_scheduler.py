@@ -1,10 +1,12 @@
 """The scheduler of `--queue redis://...`: jobs go to Redis Streams, `buildvault worker`s run them.
 
-Jobs are XADDed to the stream of their requirement set; workers whose properties satisfy it
-read it through the `workers` consumer group, so any number of servers share one queue. A
-worker reports `started` and then `result` on the submitting server's results stream. A lost
-worker's job stays pending in the group; another worker takes it back with XAUTOCLAIM (see
-execution.worker.redis_worker), up to MAX_DELIVERIES runs. Priority does not reorder a stream.
+Jobs are XADDed to the stream of their priority band and requirement set; workers whose
+properties satisfy it read it through the `workers` consumer group, more urgent bands first, so
+any number of servers share one queue. A worker reports `started` and then `result` on the
+submitting server's results stream. A lost worker's job stays pending in the group; another
+worker takes it back with XAUTOCLAIM (see execution.worker.redis_worker), up to MAX_DELIVERIES
+runs. A cancelled job is stopped where it runs (`bv:cancel`) or skipped when a worker reaches it
+(its shared state says cancelled, execution.shared_state).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class RedisScheduler:
 
     async def _xadd_job(self, job: Job) -> None:
         platform = format_properties(job.requirements)
-        stream = keys.jobs_stream(platform)
+        stream = keys.jobs_stream(platform, keys.band_of(job.priority))
         frame = wire.JobFrame(job.id, job.instance, job.action, job.command, job.timeout, job.queued_at)
         with contextlib.suppress(Exception):
             await self.redis.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
@@ -132,7 +134,11 @@ class RedisScheduler:
             return
         if job.stage == re_pb2.ExecutionStage.QUEUED:
             job.finish(cancelled_response(message))
-        await self.redis.xadd(keys.CANCEL, {"id": job.id}, maxlen=10_000, approximate=True)
+        await self.cancel_elsewhere(job.id)
+
+    async def cancel_elsewhere(self, job_id: str) -> None:
+        """Tell the workers to stop job `job_id` (queued by this server or another)."""
+        await self.redis.xadd(keys.CANCEL, {"id": job_id}, maxlen=10_000, approximate=True)
 
     async def _read_results(self) -> None:
         stream = keys.RESULTS + self.server_id
@@ -156,7 +162,11 @@ class RedisScheduler:
     async def _handle(self, fields: dict[bytes, bytes]) -> None:
         kind = fields.get(b"type", b"").decode()
         job = self._jobs.get(fields.get(b"id", b"").decode())
-        if job is None or job.done:
+        if job is None:
+            return
+        if job.done:  # cancelled while queued: the worker's answer only ends the bookkeeping
+            if kind == "result":
+                del self._jobs[job.id]
             return
         if kind == "started":
             attempt = int(fields.get(b"attempt", b"1"))

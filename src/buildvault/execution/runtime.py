@@ -6,6 +6,11 @@
 
 `--local-workers 0` turns execution off. `--sandbox bwrap` where bubblewrap cannot run is a
 start-up error (`ExecutionSetupError`), not a failure of every action later.
+
+With TLS on the gRPC listener (`--tls-cert-file`) the local workers do not dial it: its name in
+the certificate, its CA and a client certificate are the client's business. They reach the same
+gRPC server through `worker_socket` instead, a Unix socket in a directory only the server's user
+can enter (mkdtemp makes it 0700), under the same access control.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +55,20 @@ def is_loopback(address: str) -> bool:
 
 
 class ExecutionRuntime:
-    def __init__(self, settings: Settings, executor: Executor, workers: list[LocalWorker], sandbox_kind: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        executor: Executor,
+        workers: list[LocalWorker],
+        sandbox_kind: str,
+        worker_socket: str | None = None,
+    ) -> None:
         self.settings = settings
         self.executor = executor
         self.workers = workers
         self.sandbox_kind = sandbox_kind
+        # The Unix socket the gRPC listener also serves, for local workers (TLS listener only).
+        self.worker_socket = worker_socket
 
     @classmethod
     async def create(cls, settings: Settings, blobs: BlobStore, action_cache: ActionCache) -> ExecutionRuntime | None:
@@ -80,10 +95,13 @@ class ExecutionRuntime:
         executor = Executor(config, blobs, action_cache, list(workers), queue_url=settings.queue)
         if isinstance(executor.scheduler, RedisScheduler):
             try:
-                await executor.scheduler.start()
+                await executor.start()
             except Exception as e:
                 raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
-        return cls(settings, executor, workers, kind)
+        socket = None
+        if workers and settings.tls_cert_file:
+            socket = str(Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="buildvault-")) / "workers.sock")
+        return cls(settings, executor, workers, kind, socket)
 
     def allowed_on(self, listener_address: str, *, access_controlled: bool = False) -> bool:
         """Whether Execute is served on a listener bound to `listener_address`: anywhere with
@@ -94,8 +112,9 @@ class ExecutionRuntime:
     def bind(self, grpc_address: str, token: str | None = None) -> None:
         """Point the local workers at the bound gRPC listener; `token`: their bearer token when the
         server has access control (server/auth issues it)."""
+        server = f"unix:{self.worker_socket}" if self.worker_socket else _connectable(grpc_address)
         for worker in self.workers:
-            worker.server = _connectable(grpc_address)
+            worker.server = server
             worker.token = token
 
     def banner(self) -> str:
@@ -116,3 +135,5 @@ class ExecutionRuntime:
 
     async def close(self) -> None:
         await self.executor.close()
+        if self.worker_socket:
+            await asyncio.to_thread(shutil.rmtree, Path(self.worker_socket).parent, True)

@@ -5,8 +5,9 @@
 
 Inputs and outputs go only through the server's gRPC CAS (no bucket credentials, no shared
 disk). The worker reads the job streams whose requirement set its properties satisfy (consumer
-group `workers`), keeps its running jobs' leases fresh (XCLAIM every few seconds), and takes back
-jobs another worker left pending longer than the lease (XAUTOCLAIM); a job delivered more than
+group `workers`), the most urgent priority band first, and skips jobs cancelled while queued. It
+keeps its running jobs' leases fresh (XCLAIM every few seconds) and takes back jobs another
+worker left pending longer than the lease (XAUTOCLAIM); a job delivered more than
 MAX_DELIVERIES times ends UNAVAILABLE naming the worker that last had it.
 """
 
@@ -32,6 +33,26 @@ from buildvault.execution.worker.runner import Runner
 from buildvault.remote_apis import re_pb2
 
 log = logging.getLogger("buildvault.worker")
+
+# XREADGROUP band by band (KEYS: the streams, ARGV: group, consumer, count, then how many streams
+# each band has), returning the first band's entries: one round trip instead of one per band.
+_TAKE = """
+local at = 1
+for i = 4, #ARGV do
+  local n = tonumber(ARGV[i])
+  local streams = {}
+  for j = at, at + n - 1 do streams[#streams + 1] = KEYS[j] end
+  for j = 1, n do streams[#streams + 1] = '>' end
+  local answer = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', unpack(streams))
+  if answer then
+    for _, stream in ipairs(answer) do
+      if #stream[2] > 0 then return answer end
+    end
+  end
+  at = at + n
+end
+return false
+"""
 
 
 class RedisWorker:
@@ -62,21 +83,43 @@ class RedisWorker:
         self.running: dict[str, tuple[str, str, process.Cancel]] = {}  # job id -> (stream, entry id, cancel)
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_free = asyncio.Event()
+        self._grouped: set[str] = set()  # streams whose consumer group exists
+        self._take_script = self.redis.register_script(_TAKE)
 
-    async def _streams(self) -> list[str]:
+    async def _bands(self) -> list[list[str]]:
+        """The job streams this worker serves, by priority band, most urgent first."""
         platforms = [p.decode() for p in await self.redis.smembers(keys.PLATFORMS)]
         mine = []
         for platform in sorted(platforms):
-            wanted = parse_properties("" if platform == "any" else platform)
-            if self.rules.satisfies(self.properties, wanted):
-                mine.append(keys.jobs_stream("" if platform == "any" else platform))
-        return mine
+            name = "" if platform == "any" else platform
+            if self.rules.satisfies(self.properties, parse_properties(name)):
+                mine.append(name)
+        return [[keys.jobs_stream(name, band) for name in mine] for band in range(keys.BANDS)] if mine else []
+
+    async def _streams(self) -> list[str]:
+        return [stream for band in await self._bands() for stream in band]
+
+    async def _take(self, bands: list[list[str]], free: int) -> list[tuple[Any, list[Any]]]:
+        """Up to `free` jobs, from the most urgent band that has any; else wait for the first."""
+        streams = [s for band in bands for s in band]
+        answer = await self._take_script(keys=streams, args=[keys.GROUP, self.name, free, *(len(b) for b in bands)])
+        if answer:
+            # A script's reply is raw: entries' fields come as flat [name, value, ...] lists.
+            return [
+                (stream, [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True))) for entry_id, flat in entries])
+                for stream, entries in answer
+            ]
+        # Every band was empty: whichever job comes first is the most urgent one there is.
+        everything = {s: ">" for band in bands for s in band}
+        return list(await self.redis.xreadgroup(keys.GROUP, self.name, everything, count=1, block=1000) or [])
 
     async def _register(self) -> None:
         info = {"properties": self.properties, "seen": time.time(), "running": len(self.running)}
         await self.redis.hset(keys.WORKERS, self.name, json.dumps(info))
 
     async def serve(self) -> None:
+        from redis import exceptions as redis_errors
+
         await self.redis.ping()
         await self._register()
         housekeeping = asyncio.create_task(self._housekeeping())
@@ -90,17 +133,23 @@ class RedisWorker:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._slot_free.wait(), 5.0)
                     continue
-                streams = await self._streams()
-                if not streams:
+                bands = await self._bands()
+                if not bands:
                     await asyncio.sleep(0.5)  # no job stream exists yet anywhere: nothing to block on
                     continue
-                for stream in streams:
-                    with contextlib.suppress(Exception):
-                        await self.redis.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
-                answer = await self.redis.xreadgroup(
-                    keys.GROUP, self.name, {s: ">" for s in streams}, count=free, block=1000
-                )
-                for stream, entries in answer or []:
+                for stream in (s for band in bands for s in band):
+                    if stream not in self._grouped:
+                        with contextlib.suppress(Exception):
+                            await self.redis.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+                        self._grouped.add(stream)
+                try:
+                    taken = await self._take(bands, free)
+                except redis_errors.ResponseError as e:
+                    if "NOGROUP" not in str(e):
+                        raise
+                    self._grouped.clear()  # Redis lost its data (restarted): create the groups again
+                    continue
+                for stream, entries in taken:
                     for entry_id, fields in entries:
                         self._start(stream.decode(), entry_id.decode(), fields, attempt=1)
         finally:
@@ -128,6 +177,13 @@ class RedisWorker:
     ) -> None:
         results = keys.RESULTS + server
         try:
+            if await self.redis.hget(keys.JOB + job.id, "cancelled") == b"1":
+                log.info("skipping job %s: it was cancelled while queued", job.id)
+                status = status_pb2.Status(code=code_pb2.CANCELLED, message="the job was cancelled while queued")
+                skipped = wire.ResultFrame(job.id, re_pb2.ActionResult(), status)
+                await self.redis.xadd(results, {"type": "result", "id": job.id, "frame": skipped.encode()})
+                await self.redis.xack(stream, keys.GROUP, entry_id)
+                return
             await self.redis.hset(keys.OWNERS, entry_id, self.name)
             await self.redis.xadd(
                 results, {"type": "started", "id": job.id, "worker": self.name, "attempt": str(attempt)}

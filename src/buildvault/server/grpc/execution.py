@@ -64,7 +64,7 @@ class ExecutionService:
         self, request: re_pb2.WaitExecutionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> None:
         await self._check_permission(context)
-        operation = self.executor.get(request.name)
+        operation = await self.executor.lookup(request.name)
         if operation is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no operation named {request.name!r} (unknown or expired)")
         assert operation is not None
@@ -88,7 +88,11 @@ def add_execution_services(
 
     from buildvault.remote_apis import re_grpc
     from buildvault.server.grpc.operations import OperationsService
+    from buildvault.server.services import StartupError
 
+    # The local workers' way in when the listener speaks TLS only (see ExecutionRuntime).
+    if runtime.worker_socket and not server.add_insecure_port(f"unix:{runtime.worker_socket}"):
+        raise StartupError(f"cannot listen on the local workers' socket {runtime.worker_socket}")
     allowed = runtime.allowed_on(listener_address, access_controlled=access_controlled)
     service = ExecutionService(runtime.executor, allowed=allowed)
     re_grpc.add_ExecutionServicer_to_server(service, server)

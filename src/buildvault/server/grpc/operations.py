@@ -29,7 +29,7 @@ class OperationsService:
     async def GetOperation(
         self, request: operations_pb2.GetOperationRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> operations_pb2.Operation:
-        operation = self.executor.get(request.name)
+        operation = await self.executor.lookup(request.name)
         if operation is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no operation named {request.name!r} (unknown or expired)")
         assert operation is not None
@@ -69,7 +69,7 @@ class OperationsService:
         self, request: operations_pb2.WaitOperationRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> operations_pb2.Operation:
         """The operation once done, or its state when `timeout` (default: the call's deadline) passes."""
-        operation = self.executor.get(request.name)
+        operation = await self.executor.lookup(request.name)
         if operation is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no operation named {request.name!r} (unknown or expired)")
         assert operation is not None
