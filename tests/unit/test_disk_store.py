@@ -317,9 +317,12 @@ async def test_sha256_and_blake3_with_the_same_hex_are_different_blobs(tmp_path:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     assert storage.stats().blob_count == 2
     assert await read_all(storage, sha) == sha_data
-    assert await read_all(storage, blake) == blake_data
     same_size = Digest(sha.hash, sha.size_bytes, DigestFunction.BLAKE3)
     assert await storage.cas.find_missing([same_size, sha, blake]) == [same_size]
+    # The planted file is indexed under its own key, but a read verifies content: it is refused.
+    with pytest.raises(NotFound):
+        await read_all(storage, blake)
+    assert await storage.cas.find_missing([blake, sha]) == [blake]
     await storage.ac.put("ac", sha, b"sha entry")
     with pytest.raises(NotFound):
         await storage.ac.get("ac", same_size)

@@ -20,7 +20,7 @@ from typing import Any
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import StorageError
-from buildvault.storage.disk import findmissing, layout, snapshot, startup
+from buildvault.storage.disk import findmissing, healing, layout, snapshot, startup
 from buildvault.storage.disk.accache import AcCache
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
@@ -308,7 +308,10 @@ class DiskBlobStore:
         self._writer = storage._writer
 
     async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-        """In-memory only: no syscalls. Hits count as uses (they are about to be referenced)."""
+        """In-memory only: no syscalls (but for hashes a lookup found no file for). Hits count as
+        uses (they are about to be referenced)."""
+        if self._core.suspects:
+            await healing.recheck(self._core, healing.named(self._core, digests))
         return findmissing.find_missing(self._core.index, digests)
 
     async def find_missing_indices(
@@ -316,8 +319,12 @@ class DiskBlobStore:
     ) -> list[int]:
         """find_missing for parallel lists of hex hashes and sizes (no Digest objects: FindMissingBlobs'
         hot path): the positions of the absent ones, first occurrences only, in order."""
-        self._core.check_open()
-        return findmissing.missing_indices(self._core.index, function, hashes, sizes)
+        core = self._core
+        core.check_open()
+        if core.suspects:
+            named = [Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in core.suspects]
+            await healing.recheck(core, named)
+        return findmissing.missing_indices(core.index, function, hashes, sizes)
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
         return await self._reader.read(digest, offset, limit)
