@@ -49,9 +49,11 @@ class CountingPool(concurrent.futures.ThreadPoolExecutor):
 class Core:
     """Shared state of one open store (event-loop side)."""
 
-    def __init__(self, root: Path, max_size: int, max_workers: int | None, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, root: Path, max_size: int, max_workers: int | None, clock: Callable[[], float], hold_seconds: int
+    ) -> None:
         self.layout = Layout(root)
-        self.index = Index(max_size, clock)
+        self.index = Index(max_size, clock, hold_seconds)
         self.ac_keys = AcKeys()
         workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
         self.executor = CountingPool(workers, thread_name_prefix="buildvault-disk")
@@ -97,9 +99,10 @@ class Core:
         """Directories with a rename or unlink under way: their mtime says nothing yet."""
         return {dir_id(key) for key in (*self.publishing, *self.deleting)}
 
-    def evict(self, need: int) -> list[asyncio.Future[None]]:
-        """Drop least recently used entries until `need` bytes are freed; unlink their files in the pool."""
-        return [self.delete_file(key) for key in self.index.evict(need, self.publishing)]
+    def evict(self, need: int, *, hold: bool = True) -> list[asyncio.Future[None]]:
+        """Drop least recently used entries until `need` bytes are freed (with `hold`, none used
+        within index.hold_seconds); unlink their files in the pool."""
+        return [self.delete_file(key) for key in self.index.evict(need, self.publishing, hold=hold)]
 
     def delete_file(self, key: bytes) -> asyncio.Future[None]:
         future = self.ops.submit(fileops.unlink_quiet, (self.layout.path(key),))

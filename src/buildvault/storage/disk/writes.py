@@ -155,7 +155,9 @@ class Writer:
         if over > 0:
             deletions = core.evict(over + index.slack)
             if index.used + index.reserved + size > index.max_size:
-                raise StorageFull(f"no room for {what}: writes in progress hold the space")
+                # What is left was used in the last seconds (a client is about to fetch it) or is
+                # promised to writes in progress: refusing this write is cheaper than a broken hit.
+                raise StorageFull(f"no room for {what}: writes in progress and entries in use hold the space")
         reservation = Reservation(index, size)
         try:
             await core.settle_all(deletions)  # let the space really be free before writing
