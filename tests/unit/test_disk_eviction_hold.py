@@ -86,3 +86,16 @@ async def test_a_lowered_cap_at_start_evicts_regardless_of_the_hold(tmp_path: Pa
     assert storage.stats().used_bytes <= 5 * BLOB
     assert_consistent(storage)
     await storage.close()
+
+
+async def test_a_clock_set_back_does_not_hold_every_entry(tmp_path: Path) -> None:
+    clock = [1_000_000.0]
+    storage = await DiskStorage.open(tmp_path, 10 * BLOB, clock=lambda: clock[0], sync_interval=None)
+    for n in range(10):
+        await put(storage, n)
+    clock[0] -= 3600  # every entry now seems used an hour in the future
+    await put(storage, 10)  # evicts the least recently used instead of refusing
+    await storage.wait_idle()
+    assert await storage.cas.find_missing([blob(0)[0]]) == [blob(0)[0]]
+    assert_consistent(storage)
+    await storage.close()

@@ -142,10 +142,12 @@ class Index:
         them: their files are the caller's to delete. Fewer than `need` bytes may be freed."""
         victims: list[bytes] = []
         freed = 0
-        held = hold and self.hold_seconds > 0
-        recent = self.now() - self.hold_seconds if held else float("inf")  # entries used after `recent` are held
+        now = self.now()
+        # Entries used after `recent` are held; a tick after `now` (the clock was set back) is not,
+        # or a clock set back an hour would hold every entry for that hour.
+        recent = now - self.hold_seconds if hold and self.hold_seconds > 0 else now
         for key, tick in self.entries.items():
-            if freed >= need or tick > recent:
+            if freed >= need or recent < tick <= now:
                 break
             if key in busy or key in self.protected:  # busy: an AC entry being replaced becomes the newest
                 continue
