@@ -140,7 +140,7 @@ async def test_batch_reads_find_damaged_and_vanished_files(storage: DiskStorage)
 
 
 async def test_lru_evicts_least_recently_used_first(tmp_path: Path) -> None:
-    storage = await DiskStorage.open(tmp_path, 1000)
+    storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     digests = await fill(storage, 10, 100)
     assert storage.stats().used_bytes == 1000
 
@@ -167,7 +167,7 @@ async def test_lru_evicts_least_recently_used_first(tmp_path: Path) -> None:
 
 
 async def test_blob_larger_than_the_store_is_refused_before_reading(tmp_path: Path) -> None:
-    storage = await DiskStorage.open(tmp_path, 1000)
+    storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     kept = await fill(storage, 5, 100)
     started = False
 
@@ -189,7 +189,7 @@ async def test_blob_larger_than_the_store_is_refused_before_reading(tmp_path: Pa
 
 
 async def test_space_held_by_writes_in_progress_is_not_promised_twice(tmp_path: Path) -> None:
-    storage = await DiskStorage.open(tmp_path, 1000)
+    storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     first = b"a" * 800
     release = asyncio.Event()
 
@@ -211,7 +211,7 @@ async def test_space_held_by_writes_in_progress_is_not_promised_twice(tmp_path: 
 
 
 async def test_total_stays_under_max_with_concurrent_writers_and_readers(tmp_path: Path) -> None:
-    storage = await DiskStorage.open(tmp_path, 20_000)
+    storage = await DiskStorage.open(tmp_path, 20_000, hold_seconds=0)
     rng = random.Random(7)
     blobs = [rng.randbytes(rng.randint(0, 3000)) for _ in range(40)]
     digests = [Digest.of(b) for b in blobs]
@@ -239,7 +239,7 @@ async def test_total_stays_under_max_with_concurrent_writers_and_readers(tmp_pat
 
 
 async def test_reader_survives_eviction(tmp_path: Path) -> None:
-    storage = await DiskStorage.open(tmp_path, 4 * CHUNK_SIZE)
+    storage = await DiskStorage.open(tmp_path, 4 * CHUNK_SIZE, hold_seconds=0)
     data = os.urandom(3 * CHUNK_SIZE + 5)
     digest = Digest.of(data)
     await storage.cas.write(digest, chunked(data, CHUNK_SIZE))
@@ -317,9 +317,12 @@ async def test_sha256_and_blake3_with_the_same_hex_are_different_blobs(tmp_path:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     assert storage.stats().blob_count == 2
     assert await read_all(storage, sha) == sha_data
-    assert await read_all(storage, blake) == blake_data
     same_size = Digest(sha.hash, sha.size_bytes, DigestFunction.BLAKE3)
     assert await storage.cas.find_missing([same_size, sha, blake]) == [same_size]
+    # The planted file is indexed under its own key, but a read verifies content: it is refused.
+    with pytest.raises(NotFound):
+        await read_all(storage, blake)
+    assert await storage.cas.find_missing([blake, sha]) == [blake]
     await storage.ac.put("ac", sha, b"sha entry")
     with pytest.raises(NotFound):
         await storage.ac.get("ac", same_size)
@@ -372,7 +375,7 @@ async def test_action_entries_are_replaced_and_survive_restart(tmp_path: Path) -
 
 
 async def test_action_entries_share_the_cap_and_lru(tmp_path: Path) -> None:
-    storage = await DiskStorage.open(tmp_path, 1000)
+    storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     action = Digest.of(b"action")
     await storage.ac.put("ac", action, b"r" * 300)
     blobs = await fill(storage, 7, 100)  # 1000 bytes in total: full
@@ -388,7 +391,7 @@ async def test_action_entries_share_the_cap_and_lru(tmp_path: Path) -> None:
 async def test_action_entries_are_served_from_memory_and_stay_current(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    storage = await DiskStorage.open(tmp_path, 1000)
+    storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     digest = Digest.of(b"action")
     await storage.ac.put("ac", digest, b"first")
     reads: list[str] = []

@@ -246,11 +246,11 @@ async def test_index_survives_restart(tmp_path: Path) -> None:
 
 
 async def test_lru_order_survives_restart(tmp_path: Path) -> None:
-    storage = await DiskStorage.open(tmp_path, 1000)
+    storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     digests = await fill(storage, 10, 100)
     await read_all(storage, digests[0])  # 0 is now the most recently used
     await storage.close()
-    storage = await DiskStorage.open(tmp_path, 1000)
+    storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     await fill_one(storage, b"x" * 100)
     assert await storage.cas.find_missing(digests) == [digests[1]]
     await storage.close()
@@ -343,7 +343,7 @@ async def test_changes_during_a_checkpoint_mark_their_dirs_untrusted(
     """The keys are copied first, the directory times read later: whatever changed in between
     (here a write and the eviction it causes) must not be trusted at the next start."""
     monkeypatch.setattr(layout, "RACY_NS", 0)
-    storage = await DiskStorage.open(tmp_path, 300)
+    storage = await DiskStorage.open(tmp_path, 300, hold_seconds=0)
     a, b, c = [await fill_one(storage, bytes([n]) * 100) for n in range(3)]
     await file_clock_passes(tmp_path, max(blob_path(tmp_path, d).parent.stat().st_mtime_ns for d in (a, b, c)))
     entered, proceed = threading.Event(), threading.Event()
@@ -363,7 +363,7 @@ async def test_changes_during_a_checkpoint_mark_their_dirs_untrusted(
     await checkpoint
     monkeypatch.setattr(layout, "leaf_dirs", leaf_dirs)
     storage.abandon()
-    storage = await DiskStorage.open(tmp_path, 300)
+    storage = await DiskStorage.open(tmp_path, 300, hold_seconds=0)
     assert await storage.cas.find_missing([a, b, c, d]) == [a]
     assert_consistent(storage)
     await storage.close()

@@ -140,9 +140,15 @@ class CacheHandlers:
             else:
                 response.content_length = size
             await response.prepare(request)
-            async for chunk in body:
-                await response.write(chunk)
-                sent += len(chunk)
+            try:
+                async for chunk in body:
+                    await response.write(chunk)
+                    sent += len(chunk)
+            except Exception as e:  # headers are out: no status can follow, only a cut connection
+                log.warning("%s %s failed after %d bytes: %s", request.method, request.rel_url.raw_path[:200], sent, e)
+                if request.transport is not None:
+                    request.transport.abort()  # the client sees a short body, never other bytes
+                return response
             await response.write_eof()
         finally:
             await aclose(chunks)

@@ -1,14 +1,28 @@
 """The iterators `read` returns: a whole small blob already in memory, or an open file read
-one chunk ahead in the worker threads."""
+one chunk ahead in the worker threads (hashed on the way when the whole blob is read: the last
+chunk is handed out only once the content is known to match its digest)."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import os
+from collections.abc import Callable
 
-from buildvault.storage import CHUNK_SIZE, StorageError
-from buildvault.storage.disk.fileops import storage_error
+from buildvault.digest import Hasher
+from buildvault.storage import CHUNK_SIZE, NotFound, StorageError
+from buildvault.storage.disk.fileops import pread_hashed, storage_error
+
+
+class Verification:
+    """The running hash of a whole-blob read, what it must come to, and what to do if it does not."""
+
+    __slots__ = ("hasher", "expected", "damaged")
+
+    def __init__(self, hasher: Hasher, expected: str, damaged: Callable[[], None]) -> None:
+        self.hasher = hasher
+        self.expected = expected
+        self.damaged = damaged  # drops the entry from the index (and deletes its file)
 
 
 class FileChunks:
@@ -19,9 +33,17 @@ class FileChunks:
     """
 
     def __init__(
-        self, executor: concurrent.futures.Executor, fd: int | None, first: bytes, pos: int, end: int, what: str
+        self,
+        executor: concurrent.futures.Executor,
+        fd: int | None,
+        first: bytes,
+        pos: int,
+        end: int,
+        what: str,
+        verification: Verification | None = None,
     ) -> None:
         self._executor = executor
+        self._verification = verification
         self._fd = fd
         self._first: bytes | None = first
         self._pos = pos
@@ -53,15 +75,24 @@ class FileChunks:
         self._ahead = None
         if len(data) != self._ahead_len:
             self._close()
+            if self._verification is not None:
+                self._verification.damaged()
             raise StorageError(f"{self._what} is shorter on disk than its size")
         self._pos += len(data)
+        verification = self._verification
+        if verification is not None and self._pos >= self._end:  # the last chunk: check before handing it out
+            self._close()
+            if verification.hasher.hexdigest() != verification.expected:
+                verification.damaged()
+                raise NotFound(f"{self._what} is damaged on disk (its content does not match its digest)")
         self._read_ahead()
         return data
 
     def _read_ahead(self) -> None:
         if self._fd is not None and self._pos < self._end:
             self._ahead_len = min(CHUNK_SIZE, self._end - self._pos)
-            self._ahead = self._executor.submit(os.pread, self._fd, self._ahead_len, self._pos)
+            hasher = self._verification.hasher if self._verification is not None else None
+            self._ahead = self._executor.submit(pread_hashed, self._fd, self._ahead_len, self._pos, hasher)
         else:
             self._close()
 

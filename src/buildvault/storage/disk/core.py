@@ -4,6 +4,10 @@
 and unlinks in flight (at most one per key, so the index never says "present" for a file an
 eviction is about to remove, nor the reverse). Eviction lives here because both paths need it:
 writes make room, reads drop entries whose file turned out damaged or gone.
+
+`suspects` holds hashes a lookup by hash alone found no file for: the size is not known there,
+so the entry (if the index has one) is re-checked by the next FindMissingBlobs or write naming
+it (healing.py). It is empty almost always, and the hot paths test only that.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from buildvault.storage.disk.layout import AcKeys, Layout, dir_id
 
 log = logging.getLogger("buildvault.storage.disk")
 
+# Hashes remembered for a re-check; beyond this the oldest are forgotten (the entry then heals at
+# its next read instead).
+MAX_SUSPECTS = 4096
+
 
 class CountingPool(concurrent.futures.ThreadPoolExecutor):
     """The store's worker pool; `trips` counts work items submitted (an observable of the
@@ -41,9 +49,11 @@ class CountingPool(concurrent.futures.ThreadPoolExecutor):
 class Core:
     """Shared state of one open store (event-loop side)."""
 
-    def __init__(self, root: Path, max_size: int, max_workers: int | None, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, root: Path, max_size: int, max_workers: int | None, clock: Callable[[], float], hold_seconds: int
+    ) -> None:
         self.layout = Layout(root)
-        self.index = Index(max_size, clock)
+        self.index = Index(max_size, clock, hold_seconds)
         self.ac_keys = AcKeys()
         workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
         self.executor = CountingPool(workers, thread_name_prefix="buildvault-disk")
@@ -51,6 +61,7 @@ class Core:
         self.publishing: dict[bytes, asyncio.Future[None]] = {}
         self.deleting: dict[bytes, asyncio.Future[None]] = {}
         self.tasks: set[asyncio.Future[Any]] = set()
+        self.suspects: dict[str, None] = {}  # hex hashes to re-check (insertion order: oldest first)
         self.closing = False
 
     def check_open(self) -> None:
@@ -88,9 +99,10 @@ class Core:
         """Directories with a rename or unlink under way: their mtime says nothing yet."""
         return {dir_id(key) for key in (*self.publishing, *self.deleting)}
 
-    def evict(self, need: int) -> list[asyncio.Future[None]]:
-        """Drop least recently used entries until `need` bytes are freed; unlink their files in the pool."""
-        return [self.delete_file(key) for key in self.index.evict(need, self.publishing)]
+    def evict(self, need: int, *, hold: bool = True) -> list[asyncio.Future[None]]:
+        """Drop least recently used entries until `need` bytes are freed (with `hold`, none used
+        within index.hold_seconds); unlink their files in the pool."""
+        return [self.delete_file(key) for key in self.index.evict(need, self.publishing, hold=hold)]
 
     def delete_file(self, key: bytes) -> asyncio.Future[None]:
         future = self.ops.submit(fileops.unlink_quiet, (self.layout.path(key),))
@@ -110,9 +122,17 @@ class Core:
             self.index.forget(key)
 
     def drop_damaged(self, key: bytes) -> None:
-        """The file has not the size its name says (bit rot, a hand edit): forget and delete it, so a
-        NotFound makes the client upload it again."""
+        """The file has not the size or content its name says (bit rot, a hand edit): forget and
+        delete it, so a NotFound makes the client upload it again."""
         if key in self.index.entries and key not in self.publishing:
-            log.error("%s does not have the size its name says; deleting it", self.layout.path(key))
+            log.error("%s is damaged (wrong size or content); deleting it", self.layout.path(key))
             self.index.forget(key)
             self.delete_file(key)
+
+    def suspect(self, hex_hash: str) -> None:
+        """A lookup by hash found no file: re-check any entry of that hash when next named."""
+        suspects = self.suspects
+        suspects.pop(hex_hash, None)
+        suspects[hex_hash] = None
+        if len(suspects) > MAX_SUSPECTS:
+            del suspects[next(iter(suspects))]

@@ -113,27 +113,30 @@ def write_many(items: list[tuple[str, str, bytes, Digest | None]]) -> list[Excep
     return results
 
 
-def read_small(path: str, size: int, offset: int, end: int) -> tuple[int, bytes]:
-    """Bytes [offset, end) of a whole small file whose size must be `size`."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return MISSING, b""
-    try:
-        if os.fstat(fd).st_size != size:
-            return DAMAGED, b""
-        return OK, os.pread(fd, end - offset, offset) if end > offset else b""
-    finally:
-        os.close(fd)
+def content_matches(data: bytes, digest: Digest) -> bool:
+    """Whether `data` hashes to `digest` (a read re-verifies: a file can rot or be edited in place)."""
+    hasher = new_hasher(digest.function)
+    hasher.update(data)
+    return hasher.hexdigest() == digest.hash
 
 
-def read_many(items: list[tuple[str, int]]) -> list[tuple[int, bytes | OSError]]:
-    """Whole small files in one trip: (status, bytes) each, or (FAILED, the OSError). Three syscalls
-    a file: reading one byte more than the size finds a file of the wrong size without a stat."""
+def read_small(path: str, digest: Digest, offset: int, end: int) -> tuple[int, bytes]:
+    """Bytes [offset, end) of a whole small blob file, verified whole against `digest` first."""
+    found = read_many([(path, digest)])[0]
+    status, data = found
+    if isinstance(data, OSError):
+        raise data
+    return status, data[offset:end] if status == OK else b""
+
+
+def read_many(items: list[tuple[str, Digest]]) -> list[tuple[int, bytes | OSError]]:
+    """Whole small blob files in one trip, each verified by size and hash: (status, bytes) each, or
+    (FAILED, the OSError). Reading one byte more than the size finds a longer file without a stat."""
     results: list[tuple[int, bytes | OSError]] = []
     append = results.append
     flags = os.O_RDONLY | os.O_CLOEXEC
-    for path, size in items:
+    for path, digest in items:
+        size = digest.size_bytes
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
@@ -144,13 +147,9 @@ def read_many(items: list[tuple[str, int]]) -> list[tuple[int, bytes | OSError]]
             continue
         try:
             data = os.read(fd, size + 1)
-            if len(data) == size:
-                append((OK, data))
-            elif len(data) > size:
-                append((DAMAGED, b""))
-            else:  # a short read of a regular file is the end of it, unless a signal cut it
-                rest = _read_rest(fd, size - len(data) + 1)
-                append((OK, data + rest) if len(data) + len(rest) == size else (DAMAGED, b""))
+            if len(data) < size:  # a short read of a regular file is the end of it, unless a signal cut it
+                data += _read_rest(fd, size - len(data) + 1)
+            append((OK, data) if len(data) == size and content_matches(data, digest) else (DAMAGED, b""))
         except OSError as e:
             append((FAILED, e))
         finally:
@@ -178,8 +177,11 @@ def read_file(path: str) -> bytes | None:
         return None
 
 
-def open_range(path: str, size: int, offset: int, length: int, end: int) -> tuple[int, int | None, bytes]:
-    """Open, check the size, read the first chunk, all in one hop; keep the fd only if more remains."""
+def open_range(
+    path: str, size: int, offset: int, length: int, end: int, hasher: Hasher | None
+) -> tuple[int, int | None, bytes]:
+    """Open, check the size, read the first chunk (fed to `hasher`, when the whole blob is being
+    verified), all in one hop; keep the fd only if more remains."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -189,6 +191,8 @@ def open_range(path: str, size: int, offset: int, length: int, end: int) -> tupl
             os.close(fd)
             return DAMAGED, None, b""
         data = os.pread(fd, length, offset) if length else b""
+        if hasher is not None:
+            hasher.update(data)
     except BaseException:
         os.close(fd)
         raise
@@ -196,6 +200,22 @@ def open_range(path: str, size: int, offset: int, length: int, end: int) -> tupl
         os.close(fd)
         return OK, None, data
     return OK, fd, data
+
+
+def pread_hashed(fd: int, length: int, offset: int, hasher: Hasher | None) -> bytes:
+    """The next chunk of a streamed read, fed to `hasher` in the same worker hop."""
+    data = os.pread(fd, length, offset)
+    if hasher is not None:
+        hasher.update(data)
+    return data
+
+
+def stat_size(path: str) -> int | None:
+    """A file's size, or None if it is not there."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
 
 
 def close_opened(cf: concurrent.futures.Future[Any]) -> None:

@@ -11,6 +11,13 @@ usually off (noatime/relatime), and keeping mtime current would cost a metadata 
 
 Space: `used` counts published entries, `reserved` bytes promised to writes in progress
 (`Reservation`); `used + reserved` never exceeds max_size once eviction has run.
+
+Eviction while serving: an entry used within the last HOLD_SECONDS (written, read, confirmed by
+FindMissingBlobs, or named by an ActionResult just served, whose completeness check is such a
+confirmation) is not evicted to make room for a write: the client told about it is about to
+fetch or reference it, and an ActionCache hit whose output is gone fails a Bazel build, while a
+refused upload (StorageFull: RESOURCE_EXHAUSTED) only costs a later rebuild. Dict order is
+recency order, so eviction stops at the first such entry.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from dataclasses import dataclass
 
 from buildvault.storage.disk.accache import AcCache
 from buildvault.storage.disk.layout import AC_TAG, cas_size, dir_id
+
+# Entries used this recently are not evicted for a write (see the module docstring). Ticks are
+# whole seconds: an entry is held between HOLD_SECONDS - 1 and HOLD_SECONDS after its last use.
+# 0: plain LRU.
+HOLD_SECONDS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +67,11 @@ class Index:
         "tracking",
         "protected",
         "clock",
+        "hold_seconds",
         "_tick",
     )
 
-    def __init__(self, max_size: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, max_size: int, clock: Callable[[], float] = time.time, hold_seconds: int = HOLD_SECONDS) -> None:
         self.entries: dict[bytes, int] = {}  # key -> last access (unix seconds); order = LRU order
         self.ac_sizes: dict[bytes, int] = {}  # AC sizes are not in their keys (entries get replaced)
         self.ac_cache = AcCache()
@@ -73,6 +86,7 @@ class Index:
         self.tracking: set[bytes] | None = None  # dirs whose entries changed during a checkpoint
         self.protected: set[bytes] = set()  # pinned entries: eviction never picks them
         self.clock = clock
+        self.hold_seconds = hold_seconds
         self._tick = int(clock())
 
     def load(self, entries: dict[bytes, int], ac_sizes: dict[bytes, int], used: int) -> None:
@@ -122,13 +136,18 @@ class Index:
         if self.tracking is not None:
             self.tracking.add(dir_id(key))
 
-    def evict(self, need: int, busy: Container[bytes]) -> list[bytes]:
-        """Forget least recently used entries (skipping `busy` and protected ones) until `need` bytes are freed;
-        return them: their files are the caller's to delete."""
+    def evict(self, need: int, busy: Container[bytes], *, hold: bool = True) -> list[bytes]:
+        """Forget least recently used entries (skipping `busy` and protected ones, and with `hold`
+        stopping at the first one used within `hold_seconds`) until `need` bytes are freed; return
+        them: their files are the caller's to delete. Fewer than `need` bytes may be freed."""
         victims: list[bytes] = []
         freed = 0
-        for key in self.entries:
-            if freed >= need:
+        now = self.now()
+        # Entries used after `recent` are held; a tick after `now` (the clock was set back) is not,
+        # or a clock set back an hour would hold every entry for that hour.
+        recent = now - self.hold_seconds if hold and self.hold_seconds > 0 else now
+        for key, tick in self.entries.items():
+            if freed >= need or recent < tick <= now:
                 break
             if key in busy or key in self.protected:  # busy: an AC entry being replaced becomes the newest
                 continue

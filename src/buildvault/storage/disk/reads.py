@@ -2,8 +2,11 @@
 
 A read raises NotFound before producing any byte. Small blobs are read whole in a coalesced
 trip and no file stays open; larger ones keep the fd (an evicted blob stays readable) and are
-read one chunk ahead. A file found damaged (wrong size) is deleted and reported missing, one
-found gone is dropped from the index: the client uploads it again.
+read one chunk ahead. Every read of a whole blob is verified against its digest (small ones
+before any byte is returned, streamed ones before their last chunk): a file can rot or be
+edited under a running server. A file found damaged (wrong size or content) is deleted and
+reported missing, one found gone is dropped from the index: the client uploads it again. A
+lookup by hash alone that finds no file marks the hash for a re-check (healing.py).
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
 from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
 from buildvault.storage.disk import fileops, layout
-from buildvault.storage.disk.chunks import FileChunks, WholeChunks
+from buildvault.storage.disk.chunks import FileChunks, Verification, WholeChunks
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
 from buildvault.storage.disk.writes import SMALL_OP
@@ -44,11 +47,17 @@ class Reader:
         path = core.layout.path(key)
         first = min(CHUNK_SIZE, end - offset)
         fd: int | None = None
+        verification: Verification | None = None
         try:
-            if size <= SMALL_OP:  # whole, in a coalesced trip; no file stays open
-                status, data = await core.ops.submit(fileops.read_small, (path, size, offset, end))
+            if size <= SMALL_OP:  # whole and verified, in a coalesced trip; no file stays open
+                status, data = await core.ops.submit(fileops.read_small, (path, digest, offset, end))
             else:
-                cf = core.executor.submit(fileops.open_range, path, size, offset, first, end)
+                if offset == 0 and end == size:  # the whole blob: verified on the way
+                    verification = Verification(
+                        new_hasher(digest.function), digest.hash, lambda: core.drop_damaged(key)
+                    )
+                hasher = verification.hasher if verification is not None else None
+                cf = core.executor.submit(fileops.open_range, path, size, offset, first, end, hasher)
                 try:
                     status, fd, data = await asyncio.wrap_future(cf)
                 except asyncio.CancelledError:
@@ -63,10 +72,14 @@ class Reader:
         if status != fileops.OK:
             raise NotFound(f"blob {digest} not found")
         if len(data) != first:
+            core.drop_damaged(key)
             raise StorageError(f"blob {digest} is shorter on disk than its size")
         if fd is None:
+            if verification is not None and verification.hasher.hexdigest() != digest.hash:
+                core.drop_damaged(key)
+                raise NotFound(f"blob {digest} not found (damaged on disk)")
             return WholeChunks(data)
-        return FileChunks(core.executor, fd, data, offset + len(data), end, str(digest))
+        return FileChunks(core.executor, fd, data, offset + len(data), end, f"blob {digest}", verification)
 
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
         """Whole blobs (BatchReadBlobs): every small one in one coalesced operation, the rest one by one."""
@@ -77,7 +90,7 @@ class Reader:
         now = core.index.now()
         fromhex = bytes.fromhex
         cas_dir = core.layout.cas_dir
-        batch: list[tuple[str, int]] = []
+        batch: list[tuple[str, Digest]] = []
         where: list[tuple[int, bytes, Digest]] = []
         singles: list[int] = []
         for i, digest in enumerate(digests):
@@ -93,7 +106,7 @@ class Reader:
             if size > SMALL_OP:
                 singles.append(i)
             else:
-                batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", size))
+                batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", digest))
                 where.append((i, key, digest))
         if batch:
             found = await core.ops.submit(fileops.read_many, (batch,), 0)
@@ -139,6 +152,7 @@ class Reader:
             stored = (n for n in sizes if 0 <= n < MAX_BLOB and prefix + n.to_bytes(SIZE_BYTES, "big") in entries)
             size = next(stored, None)
             if size is None:
+                core.suspect(hex_hash)  # an entry of this hash may be indexed with its file gone
                 raise NotFound(f"blob {function.label}:{hex_hash} not found")
             if len(self._sizes) >= 1 << 16:
                 self._sizes.clear()

@@ -20,11 +20,11 @@ from typing import Any
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import StorageError
-from buildvault.storage.disk import findmissing, layout, snapshot, startup
+from buildvault.storage.disk import findmissing, healing, layout, snapshot, startup
 from buildvault.storage.disk.accache import AcCache
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
-from buildvault.storage.disk.index import DiskStats
+from buildvault.storage.disk.index import HOLD_SECONDS, DiskStats
 from buildvault.storage.disk.layout import cas_key
 from buildvault.storage.disk.reads import Reader
 from buildvault.storage.disk.writes import Writer
@@ -37,7 +37,8 @@ class DiskStorage:
 
     Writes are acknowledged once renamed into place (no fsync each); every `sync_interval`
     seconds, if anything changed, the filesystem is synced and the sync point recorded. The index
-    snapshot is written every `checkpoint_interval` seconds and by close().
+    snapshot is written every `checkpoint_interval` seconds and by close(). Entries used within
+    `hold_seconds` are not evicted for a write (index.py; 0: plain LRU).
     """
 
     def __init__(
@@ -50,13 +51,14 @@ class DiskStorage:
         sync_interval: float | None = SYNC_INTERVAL,
         validate_entry: EntryValidator | None = None,
         clock: Callable[[], float] = time.time,
+        hold_seconds: int = HOLD_SECONDS,
     ) -> None:
         self.root = Path(root)
         self.max_size = max_size
         self.checkpoint_interval = checkpoint_interval
         self.sync_interval = sync_interval
         self._validate = validate_entry or opaque_entry_is_intact
-        self._core = Core(self.root, max_size, max_workers, clock)
+        self._core = Core(self.root, max_size, max_workers, clock, hold_seconds)
         self._writer = Writer(self._core)
         self._reader = Reader(self._core)
         self._syncer = Syncer(self._core.layout, self._core.index)
@@ -81,6 +83,7 @@ class DiskStorage:
         sync_interval: float | None = SYNC_INTERVAL,
         validate_entry: EntryValidator | None = None,
         clock: Callable[[], float] = time.time,
+        hold_seconds: int = HOLD_SECONDS,
     ) -> DiskStorage:
         """Lock `root`, clear leftover temp files and rebuild the index, all off the event loop.
 
@@ -97,6 +100,7 @@ class DiskStorage:
             sync_interval=sync_interval,
             validate_entry=validate_entry,
             clock=clock,
+            hold_seconds=hold_seconds,
         )
         core = storage._core
         try:
@@ -111,7 +115,7 @@ class DiskStorage:
         core.index.load(loaded.entries, loaded.ac_sizes, loaded.used)
         storage.load_info = loaded.info
         if loaded.used > max_size:  # the cap was lowered since the last run
-            await core.settle_all(core.evict(loaded.used - max_size))
+            await core.settle_all(core.evict(loaded.used - max_size, hold=False))
         if checkpoint_interval:
             storage._checkpointer = asyncio.create_task(storage._checkpoint_loop(checkpoint_interval))
         if sync_interval:
@@ -308,7 +312,10 @@ class DiskBlobStore:
         self._writer = storage._writer
 
     async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-        """In-memory only: no syscalls. Hits count as uses (they are about to be referenced)."""
+        """In-memory only: no syscalls (but for hashes a lookup found no file for). Hits count as
+        uses (they are about to be referenced)."""
+        if self._core.suspects:
+            await healing.recheck(self._core, healing.named(self._core, digests))
         return findmissing.find_missing(self._core.index, digests)
 
     async def find_missing_indices(
@@ -316,8 +323,12 @@ class DiskBlobStore:
     ) -> list[int]:
         """find_missing for parallel lists of hex hashes and sizes (no Digest objects: FindMissingBlobs'
         hot path): the positions of the absent ones, first occurrences only, in order."""
-        self._core.check_open()
-        return findmissing.missing_indices(self._core.index, function, hashes, sizes)
+        core = self._core
+        core.check_open()
+        if core.suspects:
+            named = [Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in core.suspects]
+            await healing.recheck(core, named)
+        return findmissing.missing_indices(core.index, function, hashes, sizes)
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
         return await self._reader.read(digest, offset, limit)

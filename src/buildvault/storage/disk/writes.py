@@ -18,7 +18,7 @@ from typing import Any
 
 from buildvault.digest import Digest, InvalidDigest, new_hasher
 from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, StorageFull, single_chunk
-from buildvault.storage.disk import fileops
+from buildvault.storage.disk import fileops, healing
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.index import Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key
@@ -46,6 +46,8 @@ class Writer:
         if size > core.index.max_size:
             raise CapacityExceeded(f"blob {digest} is larger than the store's {core.index.max_size} bytes")
         key = cas_key(digest)
+        if core.suspects and digest.hash in core.suspects:
+            await healing.recheck(core, [digest])
         if key in core.index.entries:
             # Already stored and verified when it was written: do not read the stream at all.
             core.index.touch(key)
@@ -66,6 +68,8 @@ class Writer:
         write completes and is indexed even if the caller is cancelled."""
         core = self.core
         core.check_open()
+        if core.suspects:
+            await healing.recheck(core, healing.named(core, (digest for digest, _ in items)))
         index = core.index
         entries = index.entries
         publishing = core.publishing
@@ -151,7 +155,9 @@ class Writer:
         if over > 0:
             deletions = core.evict(over + index.slack)
             if index.used + index.reserved + size > index.max_size:
-                raise StorageFull(f"no room for {what}: writes in progress hold the space")
+                # What is left was used in the last seconds (a client is about to fetch it) or is
+                # promised to writes in progress: refusing this write is cheaper than a broken hit.
+                raise StorageFull(f"no room for {what}: writes in progress and entries in use hold the space")
         reservation = Reservation(index, size)
         try:
             await core.settle_all(deletions)  # let the space really be free before writing
