@@ -5,7 +5,8 @@ In order, so that an interrupted run leaves every remaining action entry complet
 
 1. list the bucket (under the prefix): action entries `ac/...` and blobs `cas/<fn>/<hash>`;
 2. delete the action entries whose last use (the object's LastModified) is older than
-   `--max-age`;
+   `--max-age`, except what a pin holds (admin/gc_pins.py: every instance's pin index and the
+   artifact entries it names; their blobs are then kept as referenced ones);
 3. read the remaining `ac` entries (ActionResults, Tree blobs they name) for the blobs they
    reference, list the action entries once more and read the ones written since step 1 (a
    build running beside gc), then delete the blobs no remaining entry references that are older
@@ -29,6 +30,7 @@ from typing import Any
 import botocore.exceptions
 from google.protobuf.message import DecodeError
 
+from buildvault.admin.gc_pins import is_pin_index, pinned_entries
 from buildvault.admin.report import Advance, emit, human_bytes, progress
 from buildvault.config import Settings
 from buildvault.remote_apis import re_pb2
@@ -69,6 +71,7 @@ class Plan:
     expired_entries: list[Obj] = field(default_factory=list)
     blobs_removed: list[Obj] = field(default_factory=list)
     referenced_blobs: int = 0
+    pinned_entries: int = 0
     unreferenced_in_grace: int = 0
     deleted: int = 0
     decide_seconds: float = 0.0
@@ -83,6 +86,7 @@ class Plan:
             "expired_entries": len(self.expired_entries),
             "blobs_removed": len(self.blobs_removed),
             "referenced_blobs": self.referenced_blobs,
+            "pinned_entries": self.pinned_entries,
             "unreferenced_in_grace": self.unreferenced_in_grace,
             "bytes_freed": freed,
             "bytes_after": self.total_bytes - freed,
@@ -221,7 +225,10 @@ def collect(
     plan.total_bytes = sum(o.size for o in entries) + sum(o.size for o in blobs)
     listed_at = now()
     cutoff = listed_at - max_age if max_age is not None else None
-    plan.expired_entries = [e for e in entries if cutoff is not None and e.modified < cutoff]
+    indexes = [e.key for e in entries if is_pin_index(e.key[len(bucket.prefix) :])]
+    held = pinned_entries(bucket.prefix, indexes, bucket.get)
+    plan.pinned_entries = sum(1 for e in entries if e.key in held)
+    plan.expired_entries = [e for e in entries if cutoff is not None and e.modified < cutoff and e.key not in held]
     expired = {e.key for e in plan.expired_entries}
     kept = [e for e in entries if e.key not in expired]
     if not dry_run:
@@ -269,7 +276,8 @@ def summary(plan: Plan, dry_run: bool) -> str:
         f"{plan.objects} objects ({human_bytes(plan.total_bytes)}) listed and decided in {doc['decide_seconds']}s: "
         f"{verb} {len(plan.expired_entries)} expired action entries and {len(plan.blobs_removed)} unreferenced "
         f"blobs ({human_bytes(doc['bytes_freed'])}); kept {plan.referenced_blobs} referenced blobs and "
-        f"{plan.unreferenced_in_grace} in their grace period; {human_bytes(doc['bytes_after'])} remain"
+        f"{plan.unreferenced_in_grace} in their grace period, {plan.pinned_entries} pinned entries; "
+        f"{human_bytes(doc['bytes_after'])} remain"
     )
 
 

@@ -76,14 +76,15 @@ class PinRegistry:
                     blobs |= await self._tree_blobs(d)
             for f in index.output_files:
                 d = _digest(f.digest)
-                if d is None:
-                    continue
-                blobs.add(d)
+                if d is not None:
+                    blobs.add(d)
+            for key_blob in pins.key_blobs(index):
+                d = _digest(key_blob)
                 try:
-                    text = (await read_blob(self.blobs, d, 1024)).decode()
-                    hash_, _, size = text.partition("/")
-                    actions.add((namespace, Digest.parse(hash_, int(size), DigestFunction.SHA256)))
-                except (NotFound, ValueError, UnicodeDecodeError):
+                    key = pins.parse_artifact_key(await read_blob(self.blobs, d, 1024)) if d else None
+                    if key is not None:
+                        actions.add((namespace, Digest.parse(*key, DigestFunction.SHA256)))
+                except (NotFound, ValueError):
                     continue
         self.pinned_blobs, self.pinned_actions = blobs, actions
         self.protect(blobs, actions)
