@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import s3_server
-from s3_server import REGION, bucket_keys, raw_client, tier_args, wait_drained
+from polling import wait_for
+from s3_server import REGION, bucket_keys, raw_client, s3_requests, tier_args, wait_drained
 
 from buildvault import cli, pins
 from buildvault.admin import gc
@@ -117,6 +118,35 @@ def test_gc_never_deletes_what_a_pin_holds_in_any_instance(
     assert plan["pinned_entries"] == 8  # 5 pin indexes + 3 pinned artifact entries
     assert bucket_keys(s3_endpoint, bucket) == held
     assert unpinned.isdisjoint(bucket_keys(s3_endpoint, bucket))
+
+
+def test_gc_keeps_an_entry_a_server_keeps_serving(
+    s3_endpoint: str,
+    bucket: str,
+    buildvault_server_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    s = Seeder(bucket)
+    blobs = [s.blob(40 * DAY) for _ in range(3)]
+    served = s.entry([d for _, d in blobs], 40 * DAY)
+    unused_blobs = [s.blob(40 * DAY) for _ in range(3)]
+    unused = s.entry([d for _, d in unused_blobs], 40 * DAY)
+    server = buildvault_server_factory("server", extra_args=tier_args(s3_endpoint, bucket))
+    url = f"http://{server.http_address}/ac/{served.rsplit('/', 1)[1]}"
+    for _ in range(3):  # a read-through, then hits from the server's disk
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200
+    wait_for(lambda: s3_requests(server.http_address).get("copy") == 1, 30, "the served entry's last use refreshed")
+    assert s.backend.get_object(bucket, served).last_modified > (NOW - DAY).replace(tzinfo=None)
+
+    code, plan = _gc(s3_endpoint, bucket, "--max-age", "30d", capsys=capsys)
+    assert code == 0 and plan["expired_entries"] == 1 and plan["blobs_removed"] == 3, plan
+    keys = bucket_keys(s3_endpoint, bucket)
+    assert {served, *(k for k, _ in blobs)} <= keys
+    assert unused not in keys and not {k for k, _ in unused_blobs} & keys
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert re_pb2.ActionResult.FromString(response.read()).output_files[0].digest == blobs[0][1]
+    assert s3_requests(server.http_address).get("copy") == 1  # at most once a day per entry
 
 
 def _seed(bucket: str) -> dict[str, set[str]]:
