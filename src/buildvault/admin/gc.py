@@ -22,29 +22,23 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import botocore.exceptions
 from google.protobuf.message import DecodeError
 
+from buildvault.admin.bucket import Bucket, BucketError, Obj
 from buildvault.admin.gc_pins import is_pin_index, pinned_entries
 from buildvault.admin.report import Advance, emit, human_bytes, progress
 from buildvault.config import Settings
 from buildvault.remote_apis import re_pb2
-from buildvault.storage.objectstore import normalize_prefix
-from buildvault.storage.objectstore_client import make_s3_client
 
-DELETE_BATCH = 1000  # DeleteObjects' limit
 READ_THREADS = 16
+GcError = BucketError  # gc cannot run; the message names the setting
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
 _SCALE = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-class GcError(RuntimeError):
-    """gc cannot run; the message names the setting (bucket, endpoint, credentials)."""
 
 
 def parse_duration(text: str) -> float:
@@ -53,13 +47,6 @@ def parse_duration(text: str) -> float:
     if not match:
         raise ValueError(f"not a duration: {text!r} (examples: 3600, 12h, 30d)")
     return float(match.group(1)) * _SCALE[match.group(2).lower()]
-
-
-@dataclass(frozen=True, slots=True)
-class Obj:
-    key: str
-    size: int
-    modified: float  # seconds since the epoch
 
 
 @dataclass
@@ -95,64 +82,6 @@ class Plan:
             "seconds": round(self.seconds, 3),
             "keys": [o.key for o in self.expired_entries + self.blobs_removed] if dry_run else [],
         }
-
-
-class Bucket:
-    """The few S3 calls gc makes, each mapping failures to a GcError naming the setting."""
-
-    def __init__(self, settings: Settings) -> None:
-        if not settings.s3_bucket:
-            raise GcError("--s3-bucket: no bucket given")
-        self.name = settings.s3_bucket
-        self.prefix = normalize_prefix(settings.s3_prefix)
-        self.endpoint = settings.s3_endpoint or "the AWS default endpoint"
-        self.client = make_s3_client(settings, max_pool_connections=READ_THREADS, max_attempts=2)
-
-    def _fail(self, e: Exception) -> GcError:
-        if isinstance(e, botocore.exceptions.ClientError):
-            code = e.response.get("Error", {}).get("Code", "")
-            if code in ("NoSuchBucket",):
-                return GcError(f"--s3-bucket: bucket {self.name!r} does not exist at {self.endpoint}")
-            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-                where = "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
-                return GcError(f"{where}: {code} for bucket {self.name!r}")
-            return GcError(f"--s3-bucket {self.name!r}: {code or e}")
-        if isinstance(e, botocore.exceptions.NoCredentialsError):
-            return GcError("credentials: none found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)")
-        return GcError(f"--s3-endpoint: {self.endpoint} unreachable: {e}")
-
-    def objects(self, under: str) -> Iterator[Obj]:
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=self.prefix + under)
-            for page in pages:
-                for item in page.get("Contents", []):
-                    yield Obj(item["Key"], int(item["Size"]), item["LastModified"].timestamp())
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-            raise self._fail(e) from None
-
-    def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None if it is gone (deleted meanwhile)."""
-        try:
-            body: bytes = self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
-            return body
-        except botocore.exceptions.ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise self._fail(e) from None
-        except botocore.exceptions.BotoCoreError as e:
-            raise self._fail(e) from None
-
-    def delete(self, keys: list[str]) -> int:
-        try:
-            response = self.client.delete_objects(
-                Bucket=self.name, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
-            )
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-            raise self._fail(e) from None
-        errors = response.get("Errors", [])
-        if errors:
-            raise GcError(f"--s3-bucket {self.name!r}: delete refused: {errors[0].get('Code')} {errors[0].get('Key')}")
-        return len(keys)
 
 
 def _blob_key(prefix: str, function: str, digest: re_pb2.Digest) -> str | None:
@@ -210,7 +139,7 @@ def collect(
     now: Callable[[], float] = time.time,
 ) -> Plan:
     started = time.perf_counter()
-    bucket = Bucket(settings)
+    bucket = Bucket(settings, threads=READ_THREADS)
     plan = Plan()
     with progress("listing", None, show_progress) as advance:
         entries, blobs = [], []
@@ -262,8 +191,8 @@ def collect(
 def _delete(bucket: Bucket, keys: list[str], show_progress: bool, label: str) -> int:
     deleted = 0
     with progress(f"deleting {label}", len(keys), show_progress) as advance:
-        for start in range(0, len(keys), DELETE_BATCH):
-            batch = keys[start : start + DELETE_BATCH]
+        for start in range(0, len(keys), bucket.DELETE_BATCH):
+            batch = keys[start : start + bucket.DELETE_BATCH]
             deleted += bucket.delete(batch)
             advance(len(batch))
     return deleted

@@ -5,6 +5,9 @@ Reported: corrupt blobs (content does not match the `<hash>-<size>` name), broke
 entries (empty, zero-filled, or kind `ac` not an ActionResult) and dangling ones (an
 ActionResult naming a blob the store does not hold intact). `--repair` removes them: entries
 first, then blobs, so an interrupted repair never leaves an entry pointing at a removed blob.
+With a bucket configured (`--s3-bucket`, as the server's settings), `--repair` first fetches a
+damaged or missing blob again from the bucket (admin/refetch.py: kept only if it matches its
+digest); a dangling entry whose blobs all come back is kept, whole.
 
 Safe beside a running server: it only reads, files are replaced by atomic renames (a file read
 half-way through a replacement is the old inode, whole), and a file that vanishes meanwhile
@@ -14,6 +17,7 @@ half-way through a replacement is the old inode, whole), and a file that vanishe
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -26,11 +30,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from buildvault.actions import entry_is_intact
+from buildvault.admin.bucket import Bucket, BucketError
+from buildvault.admin.refetch import Refetcher, unchanged
 from buildvault.admin.report import emit, human_bytes, progress
+from buildvault.config import Settings
 from buildvault.digest import DigestFunction, new_hasher
 from buildvault.remote_apis import re_pb2
 
 READ_CHUNK = 1 << 20
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib and blake3 release the GIL
 
 
@@ -54,6 +62,9 @@ class Findings:
     corrupt_blobs: list[str] = field(default_factory=list)
     broken_entries: list[str] = field(default_factory=list)
     dangling_entries: list[str] = field(default_factory=list)
+    restored_blobs: list[str] = field(default_factory=list)  # damaged blobs replaced from the bucket
+    restored_entries: list[str] = field(default_factory=list)  # entries made whole from the bucket
+    refetched: int = 0
     vanished: int = 0
     removed: int = 0
     seconds: float = 0.0
@@ -61,6 +72,10 @@ class Findings:
     @property
     def problems(self) -> int:
         return len(self.corrupt_blobs) + len(self.broken_entries) + len(self.dangling_entries)
+
+    @property
+    def unrepaired(self) -> int:
+        return self.problems - self.removed - len(self.restored_blobs)
 
     def document(self) -> dict[str, Any]:
         return {
@@ -70,6 +85,9 @@ class Findings:
             "corrupt_blobs": self.corrupt_blobs,
             "broken_entries": self.broken_entries,
             "dangling_entries": self.dangling_entries,
+            "restored_blobs": self.restored_blobs,
+            "restored_entries": self.restored_entries,
+            "refetched": self.refetched,
             "vanished": self.vanished,
             "removed": self.removed,
             "seconds": round(self.seconds, 3),
@@ -167,24 +185,28 @@ def referenced(result: re_pb2.ActionResult, read_blob: Any) -> set[str]:
 
 def _remove_if_unchanged(path: str, seen: os.stat_result) -> bool:
     """Unlink `path` only if it is still the file that was checked (a server may have replaced it)."""
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+    if not unchanged(path, seen):
         return False
     os.unlink(path)
     return True
 
 
-def verify(root: Path, repair: bool = False, show_progress: bool = True) -> Findings:
-    """Check (and with `repair`, clean) the store at `root`. Raises VerifyError for a wrong --dir."""
+def check_root(root: Path) -> None:
     if not root.is_dir():
         raise VerifyError(f"--dir: {root} does not exist or is not a directory")
     if not (root / "cas").is_dir():
         raise VerifyError(f"--dir: {root} is not a buildvault data directory (no cas/)")
+
+
+def verify(
+    root: Path, repair: bool = False, show_progress: bool = True, source: Refetcher | None = None
+) -> Findings:
+    """Check (and with `repair`, clean) the store at `root`; with `source` too, a repair refetches
+    from the bucket first. Raises VerifyError for a wrong --dir, BucketError if the bucket fails."""
+    check_root(root)
     started = time.perf_counter()
     findings = Findings()
+    refetch = source if repair else None
     blobs = list(blob_files(root))
     stats: dict[str, os.stat_result] = {}
     intact: dict[tuple[DigestFunction, str], None] = {}
@@ -202,15 +224,45 @@ def verify(root: Path, repair: bool = False, show_progress: bool = True) -> Find
             else:
                 findings.corrupt_blobs.append(blob.path)
                 stats[blob.path] = stat
+                if refetch is not None and refetch.restore(blob.function, blob.hash, blob.size, stat):
+                    findings.restored_blobs.append(blob.path)
+                    intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
+
+    def blob_path(function: DigestFunction, name: str) -> Path:
+        return root / "cas" / function.label / name[:2] / name
 
     def read_blob(function: DigestFunction, digest: re_pb2.Digest) -> bytes | None:
         key = f"{digest.hash}-{digest.size_bytes}"
         if (function, key) not in intact:
             return None
         try:
-            return (root / "cas" / function.label / digest.hash[:2] / key).read_bytes()
+            return blob_path(function, key).read_bytes()
         except FileNotFoundError:
             return None
+
+    def present(function: DigestFunction, name: str) -> bool:
+        """Intact now: seen so, written (by a server) since the listing, or fetched back from the bucket."""
+        if (function, name) in intact:
+            return True
+        hash_, _, size = name.partition("-")
+        if not _HEX64.fullmatch(hash_):  # a hostile entry names no path outside cas/
+            return False
+        found = BlobFile(str(blob_path(function, name)), function, hash_, int(size))
+        if blob_is_intact(found) or (refetch is not None and refetch.restore(function, hash_, int(size), None)):
+            intact[(function, name)] = None
+            return True
+        return False
+
+    def missing_blobs(result: re_pb2.ActionResult, function: DigestFunction) -> bool:
+        # A Tree fetched back names more blobs: ask again until nothing new comes back.
+        checked: set[str] = set()
+        while True:
+            needed = referenced(result, lambda d: read_blob(function, d))
+            if needed <= checked:
+                return any((function, name) not in intact for name in needed)
+            if not all([present(function, name) for name in sorted(needed - checked)]):
+                return True
+            checked |= needed
 
     entries = list(entry_files(root))
     bad_entries: list[tuple[str, os.stat_result]] = []
@@ -232,20 +284,27 @@ def verify(root: Path, repair: bool = False, show_progress: bool = True) -> Find
             if kind != "ac":
                 continue
             try:
-                needed = referenced(re_pb2.ActionResult.FromString(data), lambda d, f=function: read_blob(f, d))
+                result = re_pb2.ActionResult.FromString(data)
+                fetched_before = refetch.fetched if refetch is not None else 0
+                dangling = missing_blobs(result, function)
             except DecodeError:
                 findings.broken_entries.append(path)
                 bad_entries.append((path, stat))
                 continue
-            if any((function, name) not in intact for name in needed):
+            if dangling:
                 findings.dangling_entries.append(path)
                 bad_entries.append((path, stat))
+            elif refetch is not None and refetch.fetched > fetched_before:
+                findings.restored_entries.append(path)
     if repair:
         # Entries before blobs: an interrupted repair leaves no entry pointing at a removed blob.
         for path, stat in bad_entries:
             findings.removed += _remove_if_unchanged(path, stat)
+        restored = set(findings.restored_blobs)
         for path in findings.corrupt_blobs:
-            findings.removed += _remove_if_unchanged(path, stats[path])
+            if path not in restored:
+                findings.removed += _remove_if_unchanged(path, stats[path])
+    findings.refetched = refetch.fetched if refetch is not None else 0
     findings.seconds = time.perf_counter() - started
     return findings
 
@@ -269,17 +328,30 @@ def summary(findings: Findings, repair: bool) -> str:
     )
     if repair:
         line += f"; removed {findings.removed}"
+        if findings.refetched or findings.restored_entries:
+            line += (
+                f"; refetched {findings.refetched} blobs from the bucket ({len(findings.restored_blobs)} damaged "
+                f"ones replaced, {len(findings.restored_entries)} entries made whole)"
+            )
     return line
 
 
-def run(directory: str, repair: bool, as_json: bool) -> int:
-    """Exit 0: nothing wrong (or everything found was removed); 1: problems left; 2: bad --dir."""
+def run(directory: str, repair: bool, as_json: bool, settings: Settings | None = None) -> int:
+    """Exit 0: nothing wrong (or everything found was repaired); 1: problems left; 2: bad --dir or bucket.
+
+    With `repair` and a bucket in `settings`, the bucket is checked before anything changes."""
     try:
-        findings = verify(Path(directory), repair=repair, show_progress=not as_json)
-    except VerifyError as e:
+        check_root(Path(directory))
+        source = None
+        if repair and settings is not None and settings.s3_bucket:
+            bucket = Bucket(settings, threads=2)
+            bucket.probe()
+            source = Refetcher(Path(directory), bucket)
+        findings = verify(Path(directory), repair=repair, show_progress=not as_json, source=source)
+    except (VerifyError, BucketError) as e:
         print(f"buildvault verify: {e}", file=sys.stderr)
         return 2
     emit(summary(findings, repair), findings.document(), as_json)
-    if findings.problems and not (repair and findings.removed >= findings.problems):
+    if findings.problems and not (repair and findings.unrepaired <= 0):
         return 1
     return 0
