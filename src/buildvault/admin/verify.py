@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 
@@ -38,6 +38,7 @@ from buildvault.digest import DigestFunction, new_hasher
 from buildvault.remote_apis import re_pb2
 
 READ_CHUNK = 1 << 20
+BATCH = 256  # blobs per thread-pool trip
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib and blake3 release the GIL
 
@@ -46,8 +47,7 @@ class VerifyError(ValueError):
     """The store cannot be verified; the message names the setting."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlobFile:
+class BlobFile(NamedTuple):  # a tuple: hundreds of thousands are made, cheaply
     path: str
     function: DigestFunction
     hash: str
@@ -134,27 +134,54 @@ def entry_files(root: Path) -> Iterator[tuple[str, str, DigestFunction]]:
 _buffers = threading.local()
 
 
+def _read_and_hash(fd: int, blob: BlobFile) -> bool:
+    """Whether the open file `fd` holds exactly the blob its name says."""
+    hasher = new_hasher(blob.function)
+    if blob.size <= READ_CHUNK:
+        # One read of exactly one byte more than the name says (a longer file shows in the
+        # length); asking for more would allocate (and fault in) that much for every small blob.
+        data = os.read(fd, blob.size + 1)
+        if len(data) != blob.size:
+            return False
+        hasher.update(data)
+        return hasher.hexdigest() == blob.hash
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:  # one buffer per hashing thread, not one per blob
+        buffer = _buffers.buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    size = 0
+    while read := os.readv(fd, [buffer]):
+        hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
+        size += read
+    return size == blob.size and hasher.hexdigest() == blob.hash
+
+
 def blob_is_intact(blob: BlobFile) -> bool | None:
     """True if the content matches its name, False if not, None if the file vanished."""
-    hasher = new_hasher(blob.function)
-    size = 0
+    checked = check_blob(blob)
+    return None if checked is None else checked[0]
+
+
+Checked = tuple[bool, os.stat_result | None] | None
+
+
+def check_blob(blob: BlobFile) -> Checked:
+    """(True, None) if intact; (False, the stat of the file read) if not, taken on the open file
+    (fstat: the stat of the bytes hashed, no second path lookup); None if the file vanished."""
     try:
-        with open(blob.path, "rb", buffering=0) as stream:
-            if blob.size <= READ_CHUNK:  # one read; a size mismatch still shows in `size`
-                data = stream.read(READ_CHUNK + 1)
-                hasher.update(data)
-                size = len(data)
-            else:
-                buffer = getattr(_buffers, "buffer", None)
-                if buffer is None:  # one buffer per hashing thread, not one per blob
-                    buffer = _buffers.buffer = bytearray(READ_CHUNK)
-                view = memoryview(buffer)
-                while read := stream.readinto(buffer):
-                    hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
-                    size += read
+        fd = os.open(blob.path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    return size == blob.size and hasher.hexdigest() == blob.hash
+    try:
+        return (True, None) if _read_and_hash(fd, blob) else (False, os.fstat(fd))
+    finally:
+        os.close(fd)
+
+
+def check_blobs(batch: list[BlobFile]) -> list[Checked]:
+    """`check_blob` of each: one thread-pool trip per batch, not per file (small blobs cost
+    little more than that trip)."""
+    return [check_blob(blob) for blob in batch]
 
 
 def referenced(result: re_pb2.ActionResult, read_blob: Any) -> set[str]:
@@ -210,23 +237,12 @@ def verify(
     blobs = list(blob_files(root))
     stats: dict[str, os.stat_result] = {}
     intact: dict[tuple[DigestFunction, str], None] = {}
+    batches = [blobs[i : i + BATCH] for i in range(0, len(blobs), BATCH)]
     with progress("blobs", len(blobs), show_progress) as advance, ThreadPoolExecutor(HASH_THREADS) as pool:
-        for blob, ok in zip(blobs, pool.map(_checked, blobs), strict=True):
-            advance()
-            if ok is None:
-                findings.vanished += 1
-                continue
-            verdict, stat = ok
-            findings.blobs += 1
-            findings.bytes += blob.size
-            if verdict:
-                intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
-            else:
-                findings.corrupt_blobs.append(blob.path)
-                stats[blob.path] = stat
-                if refetch is not None and refetch.restore(blob.function, blob.hash, blob.size, stat):
-                    findings.restored_blobs.append(blob.path)
-                    intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
+        for batch, results in zip(batches, pool.map(check_blobs, batches), strict=True):
+            advance(len(batch))
+            for blob, ok in zip(batch, results, strict=True):
+                _tally(findings, blob, ok, stats, intact, refetch)
 
     def blob_path(function: DigestFunction, name: str) -> Path:
         return root / "cas" / function.label / name[:2] / name
@@ -309,13 +325,28 @@ def verify(
     return findings
 
 
-def _checked(blob: BlobFile) -> tuple[bool, os.stat_result] | None:
-    try:
-        stat = os.stat(blob.path)
-    except FileNotFoundError:
-        return None
-    verdict = blob_is_intact(blob)
-    return None if verdict is None else (verdict, stat)
+def _tally(
+    findings: Findings,
+    blob: BlobFile,
+    checked: Checked,
+    stats: dict[str, os.stat_result],
+    intact: dict[tuple[DigestFunction, str], None],
+    refetch: Refetcher | None,
+) -> None:
+    if checked is None:
+        findings.vanished += 1
+        return
+    verdict, stat = checked
+    findings.blobs += 1
+    findings.bytes += blob.size
+    if verdict or stat is None:
+        intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
+        return
+    findings.corrupt_blobs.append(blob.path)
+    stats[blob.path] = stat
+    if refetch is not None and refetch.restore(blob.function, blob.hash, blob.size, stat):
+        findings.restored_blobs.append(blob.path)
+        intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
 
 
 def summary(findings: Findings, repair: bool) -> str:
