@@ -4,14 +4,40 @@ setting to fix (bucket, endpoint, credentials)."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import boto3
 import botocore.exceptions
+import botocore.session
+import botocore.utils
 
 from buildvault.config import Settings
 from buildvault.storage.objectstore import normalize_prefix
 from buildvault.storage.objectstore_client import make_s3_client
+
+
+def fast_timestamp(value: Any) -> datetime.datetime:
+    """botocore's timestamp parser, fast for what listings carry (`2026-12-01T23:08:01.000Z`).
+
+    botocore parses every LastModified with dateutil, about 100 µs each: most of gc's own time
+    on a 100,000-object listing. Anything fromisoformat cannot read goes to botocore's parser."""
+    if isinstance(value, str):
+        try:
+            parsed = datetime.datetime.fromisoformat(value)
+        except ValueError:
+            pass
+        else:
+            return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=datetime.UTC)
+    return botocore.utils.parse_timestamp(value)
+
+
+def _session() -> boto3.session.Session:
+    core = botocore.session.get_session()
+    core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=fast_timestamp)
+    return boto3.session.Session(botocore_session=core)
 
 
 class BucketError(RuntimeError):
@@ -36,7 +62,7 @@ class Bucket:
         self.name = settings.s3_bucket
         self.prefix = normalize_prefix(settings.s3_prefix)
         self.endpoint = settings.s3_endpoint or "the AWS default endpoint"
-        self.client = make_s3_client(settings, max_pool_connections=threads, max_attempts=2)
+        self.client = make_s3_client(settings, max_pool_connections=threads, max_attempts=2, session=_session())
 
     def _fail(self, e: Exception) -> BucketError:
         if isinstance(e, botocore.exceptions.ClientError):

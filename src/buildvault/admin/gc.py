@@ -61,6 +61,8 @@ class Plan:
     pinned_entries: int = 0
     unreferenced_in_grace: int = 0
     deleted: int = 0
+    list_seconds: float = 0.0  # the first listing (mostly the S3 server's time)
+    read_seconds: float = 0.0  # reading the entries for their references, and the second listing
     decide_seconds: float = 0.0
     seconds: float = 0.0
 
@@ -78,6 +80,8 @@ class Plan:
             "bytes_freed": freed,
             "bytes_after": self.total_bytes - freed,
             "deleted": self.deleted,
+            "list_seconds": round(self.list_seconds, 3),
+            "read_seconds": round(self.read_seconds, 3),
             "decide_seconds": round(self.decide_seconds, 3),
             "seconds": round(self.seconds, 3),
             "keys": [o.key for o in self.expired_entries + self.blobs_removed] if dry_run else [],
@@ -150,6 +154,7 @@ def collect(
                 entries.append(obj)
             elif relative.startswith("cas/"):
                 blobs.append(obj)
+    plan.list_seconds = time.perf_counter() - started
     plan.objects = len(entries) + len(blobs)
     plan.total_bytes = sum(o.size for o in entries) + sum(o.size for o in blobs)
     listed_at = now()
@@ -162,6 +167,7 @@ def collect(
     kept = [e for e in entries if e.key not in expired]
     if not dry_run:
         plan.deleted += _delete(bucket, [e.key for e in plan.expired_entries], show_progress, "expired entries")
+    reading = time.perf_counter()
     with ThreadPoolExecutor(READ_THREADS) as pool:
         with progress("reading entries", len(kept), show_progress) as advance:
             referenced = _references(bucket, kept, pool, advance)
@@ -170,6 +176,7 @@ def collect(
         fresh = [e for e in bucket.objects("ac/") if seen.get(e.key) != e.modified]
         with progress("reading new entries", len(fresh), show_progress) as advance:
             referenced |= _references(bucket, fresh, pool, advance)
+    plan.read_seconds = time.perf_counter() - reading
     plan.referenced_blobs = sum(1 for b in blobs if b.key in referenced)
     young = listed_at - grace
     unreferenced = sorted((b for b in blobs if b.key not in referenced), key=lambda b: b.modified)
