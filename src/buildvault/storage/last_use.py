@@ -73,13 +73,15 @@ class LastUseRefresher:
         return len(self._pending)
 
     async def _flush_later(self) -> None:
-        try:
+        while True:
             await asyncio.sleep(self.delay)  # gather one batch: hits come in bursts
-            await self.flush()
-        finally:
-            self._task = None
-            if self._pending:
-                self._task = asyncio.get_running_loop().create_task(self._flush_later())
+            try:
+                await self.flush()
+            except Exception:  # never lose the task: the next batch may go through
+                log.warning("refreshing last uses failed", exc_info=True)
+            if not self._pending:  # nothing noted meanwhile: the next hit starts a new task
+                self._task = None
+                return
 
     async def flush(self) -> None:
         """Refresh everything queued now."""
