@@ -141,6 +141,11 @@ def _add_admin_commands(commands: Any) -> None:
     verify.add_argument("--json", action="store_true", help="one JSON object on stdout")
     from buildvault.config import ENV_PREFIX
 
+    verify.add_argument(
+        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
+    )
+    add_settings_flags(verify, prefix="s3_")  # with a bucket, --repair refetches damaged blobs from it
+
     gc = commands.add_parser(
         "gc",
         help="delete old action entries and unreferenced blobs from the S3 bucket",
@@ -162,18 +167,19 @@ def _run_admin(args: argparse.Namespace) -> int:
         from buildvault.admin import status
 
         return status.run(args.server, args.json)
-    if args.command == "verify":
-        from buildvault.admin import verify
-
-        return verify.run(args.dir, args.repair, args.json)
-    from buildvault.admin import gc
     from buildvault.config import ConfigError
 
     try:
         settings = settings_from_args(args)
     except ConfigError as e:
-        print(f"buildvault gc: {e}", file=sys.stderr)
+        print(f"buildvault {args.command}: {e}", file=sys.stderr)
         return 2
+    if args.command == "verify":
+        from buildvault.admin import verify
+
+        return verify.run(args.dir, args.repair, args.json, settings)
+    from buildvault.admin import gc
+
     return gc.run(settings, args.max_age, args.max_size, args.grace, args.dry_run, args.json)
 
 

@@ -97,6 +97,9 @@ class Settings:
         "boto3 request/response checksum mode: 'when_required' (OBS/MinIO-safe) or 'when_supported'",
         "MODE",
     )
+    pins_refresh: float = _setting(
+        60.0, float, "seconds between reads of the bucket's pin indexes (pins set through other servers)", "SECONDS"
+    )
     # Access control and TLS (server/auth): no credential file and no client certificates keep the open server.
     htpasswd_file: str = _setting("", str, "htpasswd file of bcrypt (htpasswd -B) or apr1 entries", "FILE")
     token_file: str = _setting("", str, "bearer tokens, one 'PRINCIPAL SHA256HEX' a line", "FILE")
@@ -147,6 +150,8 @@ class Settings:
             raise ConfigError(f"s3_addressing: {self.s3_addressing!r} is not 'path' or 'virtual'")
         if not self.s3_request_budget > 0:
             raise ConfigError(f"s3_request_budget: {self.s3_request_budget!r} must be a positive number of seconds")
+        if not self.pins_refresh > 0:
+            raise ConfigError(f"pins_refresh: {self.pins_refresh!r} must be a positive number of seconds")
         if self.s3_checksums not in ("when_required", "when_supported"):
             raise ConfigError(f"s3_checksums: {self.s3_checksums!r} is not 'when_required' or 'when_supported'")
         if self.tls_client_auth not in ("none", "optional", "require"):

@@ -37,3 +37,19 @@ def valid_name(text: str) -> bool:
 def pinned_trees(index: re_pb2.ActionResult) -> dict[str, re_pb2.Digest]:
     """{"NAME/LABEL": Tree digest} of a pin index."""
     return {d.path: d.tree_digest for d in index.output_directories}
+
+
+def key_blobs(index: re_pb2.ActionResult) -> list[re_pb2.Digest]:
+    """Digests of the `NAME/LABEL.key` blobs of a pin index (each holds a pinned artifact's key)."""
+    return [f.digest for f in index.output_files if f.path.endswith(".key")]
+
+
+def parse_artifact_key(data: bytes) -> tuple[str, int] | None:
+    """(hash, size) of an artifact's action key from a `.key` blob (`hash/size`); None if malformed."""
+    try:
+        hash_, sep, size = data.decode("ascii").partition("/")
+    except UnicodeDecodeError:
+        return None
+    if not sep or len(hash_) != 64 or not size.isdigit() or any(c not in "0123456789abcdef" for c in hash_):
+        return None
+    return hash_, int(size)

@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 import s3_server
-from s3_server import REGION, bucket_keys, raw_client, tier_args, wait_drained
+from polling import wait_for
+from s3_server import REGION, bucket_keys, raw_client, s3_requests, tier_args, wait_drained
 
-from buildvault import cli
+from buildvault import cli, pins
 from buildvault.admin import gc
 from buildvault.remote_apis import re_pb2
 
@@ -62,6 +63,92 @@ class Seeder:
         )
         action = hashlib.sha256(os.urandom(16)).hexdigest()
         return self.put(f"ac/ac/sha256/{action}", result.SerializeToString(), age)
+
+
+def _seed_artifact(s: Seeder, namespace: str, age: datetime.timedelta) -> tuple[set[str], str, re_pb2.Digest]:
+    """An artifact entry (a Tree of 3 files) and its blobs, all `age` old: (its keys, entry key, entry digest)."""
+    files = [s.blob(age) for _ in range(3)]
+    nodes = [re_pb2.FileNode(name=f"f{i}", digest=d) for i, (_, d) in enumerate(files)]
+    tree = re_pb2.Tree(root=re_pb2.Directory(files=nodes))
+    tree_data = tree.SerializeToString()
+    tree_digest = re_pb2.Digest(hash=hashlib.sha256(tree_data).hexdigest(), size_bytes=len(tree_data))
+    tree_key = s.put(f"cas/sha256/{tree_digest.hash}", tree_data, age)
+    result = re_pb2.ActionResult(output_directories=[re_pb2.OutputDirectory(path="artifact", tree_digest=tree_digest)])
+    data = result.SerializeToString()
+    action = re_pb2.Digest(hash=hashlib.sha256(os.urandom(16)).hexdigest(), size_bytes=142)
+    entry_key = s.put(f"ac/{namespace}/sha256/{action.hash}", data, age)
+    return {k for k, _ in files} | {tree_key, entry_key}, entry_key, action
+
+
+def _seed_pin(
+    s: Seeder, namespace: str, pinned: dict[str, tuple[str, re_pb2.Digest]], age: datetime.timedelta
+) -> set[str]:
+    """The pin index of `namespace` as `buildvault artifact pin` writes it: {"NAME/LABEL": (entry key, key)}."""
+    index = re_pb2.ActionResult()
+    keys: set[str] = set()
+    for path, (entry_key, action) in pinned.items():
+        entry = re_pb2.ActionResult.FromString(s.backend.get_object(s.bucket, entry_key).value)
+        index.output_directories.add(path=path, tree_digest=entry.output_directories[0].tree_digest)
+        key_data = f"{action.hash}/{action.size_bytes}".encode()
+        key_digest = re_pb2.Digest(hash=hashlib.sha256(key_data).hexdigest(), size_bytes=len(key_data))
+        keys.add(s.put(f"cas/sha256/{key_digest.hash}", key_data, age))
+        index.output_files.add(path=f"{path}.key", digest=key_digest)
+    keys.add(s.put(f"ac/{namespace}/sha256/{pins.INDEX_DIGEST.hash}", index.SerializeToString(), age))
+    return keys
+
+
+def test_gc_never_deletes_what_a_pin_holds_in_any_instance(
+    s3_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Seeder(bucket)
+    old = 90 * DAY
+    held: set[str] = set()
+    for namespace in ("ac", "ac/team-a", "ac/nested/instance"):
+        pinned_keys, entry_key, action = _seed_artifact(s, namespace, old)
+        held |= pinned_keys | _seed_pin(s, namespace, {"firmware/golden": (entry_key, action)}, old)
+    unpinned, _, _ = _seed_artifact(s, "ac/team-a", old)  # the same shape, no pin: it goes
+    # A pin index naming a key blob that is gone, or holding garbage, protects itself and no more.
+    held.add(s.put(f"ac/ac/team-b/sha256/{pins.INDEX_DIGEST.hash}", b"\xff not a message", old))
+    gone = re_pb2.Digest(hash="0" * 64, size_bytes=3)
+    broken = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="x/y.key", digest=gone)])
+    held.add(s.put(f"ac/ac/team-c/sha256/{pins.INDEX_DIGEST.hash}", broken.SerializeToString(), old))
+
+    code, plan = _gc(s3_endpoint, bucket, "--max-age", "30d", "--grace", "1h", capsys=capsys)
+    assert code == 0, plan
+    assert plan["pinned_entries"] == 8  # 5 pin indexes + 3 pinned artifact entries
+    assert bucket_keys(s3_endpoint, bucket) == held
+    assert unpinned.isdisjoint(bucket_keys(s3_endpoint, bucket))
+
+
+def test_gc_keeps_an_entry_a_server_keeps_serving(
+    s3_endpoint: str,
+    bucket: str,
+    buildvault_server_factory: Callable[..., Any],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    s = Seeder(bucket)
+    blobs = [s.blob(40 * DAY) for _ in range(3)]
+    served = s.entry([d for _, d in blobs], 40 * DAY)
+    unused_blobs = [s.blob(40 * DAY) for _ in range(3)]
+    unused = s.entry([d for _, d in unused_blobs], 40 * DAY)
+    server = buildvault_server_factory("server", extra_args=tier_args(s3_endpoint, bucket))
+    url = f"http://{server.http_address}/ac/{served.rsplit('/', 1)[1]}"
+    for _ in range(3):  # a read-through, then hits from the server's disk
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200
+    # The request is counted when it is sent: wait for its effect in the bucket.
+    recent = (NOW - DAY).replace(tzinfo=None)
+    wait_for(lambda: s.backend.get_object(bucket, served).last_modified > recent, 30, "the served entry renewed")
+    assert s3_requests(server.http_address).get("copy") == 1
+
+    code, plan = _gc(s3_endpoint, bucket, "--max-age", "30d", capsys=capsys)
+    assert code == 0 and plan["expired_entries"] == 1 and plan["blobs_removed"] == 3, plan
+    keys = bucket_keys(s3_endpoint, bucket)
+    assert {served, *(k for k, _ in blobs)} <= keys
+    assert unused not in keys and not {k for k, _ in unused_blobs} & keys
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert re_pb2.ActionResult.FromString(response.read()).output_files[0].digest == blobs[0][1]
+    assert s3_requests(server.http_address).get("copy") == 1  # at most once a day per entry
 
 
 def _seed(bucket: str) -> dict[str, set[str]]:

@@ -5,7 +5,8 @@ In order, so that an interrupted run leaves every remaining action entry complet
 
 1. list the bucket (under the prefix): action entries `ac/...` and blobs `cas/<fn>/<hash>`;
 2. delete the action entries whose last use (the object's LastModified) is older than
-   `--max-age`;
+   `--max-age`, except what a pin holds (admin/gc_pins.py: every instance's pin index and the
+   artifact entries it names; their blobs are then kept as referenced ones);
 3. read the remaining `ac` entries (ActionResults, Tree blobs they name) for the blobs they
    reference, list the action entries once more and read the ones written since step 1 (a
    build running beside gc), then delete the blobs no remaining entry references that are older
@@ -21,28 +22,23 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import botocore.exceptions
 from google.protobuf.message import DecodeError
 
+from buildvault.admin.bucket import Bucket, BucketError, Obj
+from buildvault.admin.gc_pins import is_pin_index, pinned_entries
 from buildvault.admin.report import Advance, emit, human_bytes, progress
 from buildvault.config import Settings
 from buildvault.remote_apis import re_pb2
-from buildvault.storage.objectstore import normalize_prefix
-from buildvault.storage.objectstore_client import make_s3_client
 
-DELETE_BATCH = 1000  # DeleteObjects' limit
 READ_THREADS = 16
+GcError = BucketError  # gc cannot run; the message names the setting
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
 _SCALE = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-class GcError(RuntimeError):
-    """gc cannot run; the message names the setting (bucket, endpoint, credentials)."""
 
 
 def parse_duration(text: str) -> float:
@@ -51,13 +47,6 @@ def parse_duration(text: str) -> float:
     if not match:
         raise ValueError(f"not a duration: {text!r} (examples: 3600, 12h, 30d)")
     return float(match.group(1)) * _SCALE[match.group(2).lower()]
-
-
-@dataclass(frozen=True, slots=True)
-class Obj:
-    key: str
-    size: int
-    modified: float  # seconds since the epoch
 
 
 @dataclass
@@ -69,8 +58,11 @@ class Plan:
     expired_entries: list[Obj] = field(default_factory=list)
     blobs_removed: list[Obj] = field(default_factory=list)
     referenced_blobs: int = 0
+    pinned_entries: int = 0
     unreferenced_in_grace: int = 0
     deleted: int = 0
+    list_seconds: float = 0.0  # the first listing (mostly the S3 server's time)
+    read_seconds: float = 0.0  # reading the entries for their references, and the second listing
     decide_seconds: float = 0.0
     seconds: float = 0.0
 
@@ -83,72 +75,17 @@ class Plan:
             "expired_entries": len(self.expired_entries),
             "blobs_removed": len(self.blobs_removed),
             "referenced_blobs": self.referenced_blobs,
+            "pinned_entries": self.pinned_entries,
             "unreferenced_in_grace": self.unreferenced_in_grace,
             "bytes_freed": freed,
             "bytes_after": self.total_bytes - freed,
             "deleted": self.deleted,
+            "list_seconds": round(self.list_seconds, 3),
+            "read_seconds": round(self.read_seconds, 3),
             "decide_seconds": round(self.decide_seconds, 3),
             "seconds": round(self.seconds, 3),
             "keys": [o.key for o in self.expired_entries + self.blobs_removed] if dry_run else [],
         }
-
-
-class Bucket:
-    """The few S3 calls gc makes, each mapping failures to a GcError naming the setting."""
-
-    def __init__(self, settings: Settings) -> None:
-        if not settings.s3_bucket:
-            raise GcError("--s3-bucket: no bucket given")
-        self.name = settings.s3_bucket
-        self.prefix = normalize_prefix(settings.s3_prefix)
-        self.endpoint = settings.s3_endpoint or "the AWS default endpoint"
-        self.client = make_s3_client(settings, max_pool_connections=READ_THREADS, max_attempts=2)
-
-    def _fail(self, e: Exception) -> GcError:
-        if isinstance(e, botocore.exceptions.ClientError):
-            code = e.response.get("Error", {}).get("Code", "")
-            if code in ("NoSuchBucket",):
-                return GcError(f"--s3-bucket: bucket {self.name!r} does not exist at {self.endpoint}")
-            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-                where = "credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
-                return GcError(f"{where}: {code} for bucket {self.name!r}")
-            return GcError(f"--s3-bucket {self.name!r}: {code or e}")
-        if isinstance(e, botocore.exceptions.NoCredentialsError):
-            return GcError("credentials: none found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)")
-        return GcError(f"--s3-endpoint: {self.endpoint} unreachable: {e}")
-
-    def objects(self, under: str) -> Iterator[Obj]:
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.name, Prefix=self.prefix + under)
-            for page in pages:
-                for item in page.get("Contents", []):
-                    yield Obj(item["Key"], int(item["Size"]), item["LastModified"].timestamp())
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-            raise self._fail(e) from None
-
-    def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None if it is gone (deleted meanwhile)."""
-        try:
-            body: bytes = self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
-            return body
-        except botocore.exceptions.ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                return None
-            raise self._fail(e) from None
-        except botocore.exceptions.BotoCoreError as e:
-            raise self._fail(e) from None
-
-    def delete(self, keys: list[str]) -> int:
-        try:
-            response = self.client.delete_objects(
-                Bucket=self.name, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
-            )
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
-            raise self._fail(e) from None
-        errors = response.get("Errors", [])
-        if errors:
-            raise GcError(f"--s3-bucket {self.name!r}: delete refused: {errors[0].get('Code')} {errors[0].get('Key')}")
-        return len(keys)
 
 
 def _blob_key(prefix: str, function: str, digest: re_pb2.Digest) -> str | None:
@@ -206,7 +143,7 @@ def collect(
     now: Callable[[], float] = time.time,
 ) -> Plan:
     started = time.perf_counter()
-    bucket = Bucket(settings)
+    bucket = Bucket(settings, threads=READ_THREADS)
     plan = Plan()
     with progress("listing", None, show_progress) as advance:
         entries, blobs = [], []
@@ -217,15 +154,20 @@ def collect(
                 entries.append(obj)
             elif relative.startswith("cas/"):
                 blobs.append(obj)
+    plan.list_seconds = time.perf_counter() - started
     plan.objects = len(entries) + len(blobs)
     plan.total_bytes = sum(o.size for o in entries) + sum(o.size for o in blobs)
     listed_at = now()
     cutoff = listed_at - max_age if max_age is not None else None
-    plan.expired_entries = [e for e in entries if cutoff is not None and e.modified < cutoff]
+    indexes = [e.key for e in entries if is_pin_index(e.key[len(bucket.prefix) :])]
+    held = pinned_entries(bucket.prefix, indexes, bucket.get)
+    plan.pinned_entries = sum(1 for e in entries if e.key in held)
+    plan.expired_entries = [e for e in entries if cutoff is not None and e.modified < cutoff and e.key not in held]
     expired = {e.key for e in plan.expired_entries}
     kept = [e for e in entries if e.key not in expired]
     if not dry_run:
         plan.deleted += _delete(bucket, [e.key for e in plan.expired_entries], show_progress, "expired entries")
+    reading = time.perf_counter()
     with ThreadPoolExecutor(READ_THREADS) as pool:
         with progress("reading entries", len(kept), show_progress) as advance:
             referenced = _references(bucket, kept, pool, advance)
@@ -234,6 +176,7 @@ def collect(
         fresh = [e for e in bucket.objects("ac/") if seen.get(e.key) != e.modified]
         with progress("reading new entries", len(fresh), show_progress) as advance:
             referenced |= _references(bucket, fresh, pool, advance)
+    plan.read_seconds = time.perf_counter() - reading
     plan.referenced_blobs = sum(1 for b in blobs if b.key in referenced)
     young = listed_at - grace
     unreferenced = sorted((b for b in blobs if b.key not in referenced), key=lambda b: b.modified)
@@ -255,8 +198,8 @@ def collect(
 def _delete(bucket: Bucket, keys: list[str], show_progress: bool, label: str) -> int:
     deleted = 0
     with progress(f"deleting {label}", len(keys), show_progress) as advance:
-        for start in range(0, len(keys), DELETE_BATCH):
-            batch = keys[start : start + DELETE_BATCH]
+        for start in range(0, len(keys), bucket.DELETE_BATCH):
+            batch = keys[start : start + bucket.DELETE_BATCH]
             deleted += bucket.delete(batch)
             advance(len(batch))
     return deleted
@@ -269,7 +212,8 @@ def summary(plan: Plan, dry_run: bool) -> str:
         f"{plan.objects} objects ({human_bytes(plan.total_bytes)}) listed and decided in {doc['decide_seconds']}s: "
         f"{verb} {len(plan.expired_entries)} expired action entries and {len(plan.blobs_removed)} unreferenced "
         f"blobs ({human_bytes(doc['bytes_freed'])}); kept {plan.referenced_blobs} referenced blobs and "
-        f"{plan.unreferenced_in_grace} in their grace period; {human_bytes(doc['bytes_after'])} remain"
+        f"{plan.unreferenced_in_grace} in their grace period, {plan.pinned_entries} pinned entries; "
+        f"{human_bytes(doc['bytes_after'])} remain"
     )
 
 

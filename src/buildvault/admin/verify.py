@@ -5,6 +5,9 @@ Reported: corrupt blobs (content does not match the `<hash>-<size>` name), broke
 entries (empty, zero-filled, or kind `ac` not an ActionResult) and dangling ones (an
 ActionResult naming a blob the store does not hold intact). `--repair` removes them: entries
 first, then blobs, so an interrupted repair never leaves an entry pointing at a removed blob.
+With a bucket configured (`--s3-bucket`, as the server's settings), `--repair` first fetches a
+damaged or missing blob again from the bucket (admin/refetch.py: kept only if it matches its
+digest); a dangling entry whose blobs all come back is kept, whole.
 
 Safe beside a running server: it only reads, files are replaced by atomic renames (a file read
 half-way through a replacement is the old inode, whole), and a file that vanishes meanwhile
@@ -14,6 +17,7 @@ half-way through a replacement is the old inode, whole), and a file that vanishe
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -21,16 +25,21 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf.message import DecodeError
 
 from buildvault.actions import entry_is_intact
+from buildvault.admin.bucket import Bucket, BucketError
+from buildvault.admin.refetch import Refetcher, unchanged
 from buildvault.admin.report import emit, human_bytes, progress
+from buildvault.config import Settings
 from buildvault.digest import DigestFunction, new_hasher
 from buildvault.remote_apis import re_pb2
 
 READ_CHUNK = 1 << 20
+BATCH = 256  # blobs per thread-pool trip
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib and blake3 release the GIL
 
 
@@ -38,8 +47,7 @@ class VerifyError(ValueError):
     """The store cannot be verified; the message names the setting."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlobFile:
+class BlobFile(NamedTuple):  # a tuple: hundreds of thousands are made, cheaply
     path: str
     function: DigestFunction
     hash: str
@@ -54,6 +62,9 @@ class Findings:
     corrupt_blobs: list[str] = field(default_factory=list)
     broken_entries: list[str] = field(default_factory=list)
     dangling_entries: list[str] = field(default_factory=list)
+    restored_blobs: list[str] = field(default_factory=list)  # damaged blobs replaced from the bucket
+    restored_entries: list[str] = field(default_factory=list)  # entries made whole from the bucket
+    refetched: int = 0
     vanished: int = 0
     removed: int = 0
     seconds: float = 0.0
@@ -61,6 +72,10 @@ class Findings:
     @property
     def problems(self) -> int:
         return len(self.corrupt_blobs) + len(self.broken_entries) + len(self.dangling_entries)
+
+    @property
+    def unrepaired(self) -> int:
+        return self.problems - self.removed - len(self.restored_blobs)
 
     def document(self) -> dict[str, Any]:
         return {
@@ -70,6 +85,9 @@ class Findings:
             "corrupt_blobs": self.corrupt_blobs,
             "broken_entries": self.broken_entries,
             "dangling_entries": self.dangling_entries,
+            "restored_blobs": self.restored_blobs,
+            "restored_entries": self.restored_entries,
+            "refetched": self.refetched,
             "vanished": self.vanished,
             "removed": self.removed,
             "seconds": round(self.seconds, 3),
@@ -116,27 +134,54 @@ def entry_files(root: Path) -> Iterator[tuple[str, str, DigestFunction]]:
 _buffers = threading.local()
 
 
+def _read_and_hash(fd: int, blob: BlobFile) -> bool:
+    """Whether the open file `fd` holds exactly the blob its name says."""
+    hasher = new_hasher(blob.function)
+    if blob.size <= READ_CHUNK:
+        # One read of exactly one byte more than the name says (a longer file shows in the
+        # length); asking for more would allocate (and fault in) that much for every small blob.
+        data = os.read(fd, blob.size + 1)
+        if len(data) != blob.size:
+            return False
+        hasher.update(data)
+        return hasher.hexdigest() == blob.hash
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:  # one buffer per hashing thread, not one per blob
+        buffer = _buffers.buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    size = 0
+    while read := os.readv(fd, [buffer]):
+        hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
+        size += read
+    return size == blob.size and hasher.hexdigest() == blob.hash
+
+
 def blob_is_intact(blob: BlobFile) -> bool | None:
     """True if the content matches its name, False if not, None if the file vanished."""
-    hasher = new_hasher(blob.function)
-    size = 0
+    checked = check_blob(blob)
+    return None if checked is None else checked[0]
+
+
+Checked = tuple[bool, os.stat_result | None] | None
+
+
+def check_blob(blob: BlobFile) -> Checked:
+    """(True, None) if intact; (False, the stat of the file read) if not, taken on the open file
+    (fstat: the stat of the bytes hashed, no second path lookup); None if the file vanished."""
     try:
-        with open(blob.path, "rb", buffering=0) as stream:
-            if blob.size <= READ_CHUNK:  # one read; a size mismatch still shows in `size`
-                data = stream.read(READ_CHUNK + 1)
-                hasher.update(data)
-                size = len(data)
-            else:
-                buffer = getattr(_buffers, "buffer", None)
-                if buffer is None:  # one buffer per hashing thread, not one per blob
-                    buffer = _buffers.buffer = bytearray(READ_CHUNK)
-                view = memoryview(buffer)
-                while read := stream.readinto(buffer):
-                    hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
-                    size += read
+        fd = os.open(blob.path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
-    return size == blob.size and hasher.hexdigest() == blob.hash
+    try:
+        return (True, None) if _read_and_hash(fd, blob) else (False, os.fstat(fd))
+    finally:
+        os.close(fd)
+
+
+def check_blobs(batch: list[BlobFile]) -> list[Checked]:
+    """`check_blob` of each: one thread-pool trip per batch, not per file (small blobs cost
+    little more than that trip)."""
+    return [check_blob(blob) for blob in batch]
 
 
 def referenced(result: re_pb2.ActionResult, read_blob: Any) -> set[str]:
@@ -167,50 +212,73 @@ def referenced(result: re_pb2.ActionResult, read_blob: Any) -> set[str]:
 
 def _remove_if_unchanged(path: str, seen: os.stat_result) -> bool:
     """Unlink `path` only if it is still the file that was checked (a server may have replaced it)."""
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+    if not unchanged(path, seen):
         return False
     os.unlink(path)
     return True
 
 
-def verify(root: Path, repair: bool = False, show_progress: bool = True) -> Findings:
-    """Check (and with `repair`, clean) the store at `root`. Raises VerifyError for a wrong --dir."""
+def check_root(root: Path) -> None:
     if not root.is_dir():
         raise VerifyError(f"--dir: {root} does not exist or is not a directory")
     if not (root / "cas").is_dir():
         raise VerifyError(f"--dir: {root} is not a buildvault data directory (no cas/)")
+
+
+def verify(
+    root: Path, repair: bool = False, show_progress: bool = True, source: Refetcher | None = None
+) -> Findings:
+    """Check (and with `repair`, clean) the store at `root`; with `source` too, a repair refetches
+    from the bucket first. Raises VerifyError for a wrong --dir, BucketError if the bucket fails."""
+    check_root(root)
     started = time.perf_counter()
     findings = Findings()
+    refetch = source if repair else None
     blobs = list(blob_files(root))
     stats: dict[str, os.stat_result] = {}
     intact: dict[tuple[DigestFunction, str], None] = {}
+    batches = [blobs[i : i + BATCH] for i in range(0, len(blobs), BATCH)]
     with progress("blobs", len(blobs), show_progress) as advance, ThreadPoolExecutor(HASH_THREADS) as pool:
-        for blob, ok in zip(blobs, pool.map(_checked, blobs), strict=True):
-            advance()
-            if ok is None:
-                findings.vanished += 1
-                continue
-            verdict, stat = ok
-            findings.blobs += 1
-            findings.bytes += blob.size
-            if verdict:
-                intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
-            else:
-                findings.corrupt_blobs.append(blob.path)
-                stats[blob.path] = stat
+        for batch, results in zip(batches, pool.map(check_blobs, batches), strict=True):
+            advance(len(batch))
+            for blob, ok in zip(batch, results, strict=True):
+                _tally(findings, blob, ok, stats, intact, refetch)
+
+    def blob_path(function: DigestFunction, name: str) -> Path:
+        return root / "cas" / function.label / name[:2] / name
 
     def read_blob(function: DigestFunction, digest: re_pb2.Digest) -> bytes | None:
         key = f"{digest.hash}-{digest.size_bytes}"
         if (function, key) not in intact:
             return None
         try:
-            return (root / "cas" / function.label / digest.hash[:2] / key).read_bytes()
+            return blob_path(function, key).read_bytes()
         except FileNotFoundError:
             return None
+
+    def present(function: DigestFunction, name: str) -> bool:
+        """Intact now: seen so, written (by a server) since the listing, or fetched back from the bucket."""
+        if (function, name) in intact:
+            return True
+        hash_, _, size = name.partition("-")
+        if not _HEX64.fullmatch(hash_):  # a hostile entry names no path outside cas/
+            return False
+        found = BlobFile(str(blob_path(function, name)), function, hash_, int(size))
+        if blob_is_intact(found) or (refetch is not None and refetch.restore(function, hash_, int(size), None)):
+            intact[(function, name)] = None
+            return True
+        return False
+
+    def missing_blobs(result: re_pb2.ActionResult, function: DigestFunction) -> bool:
+        # A Tree fetched back names more blobs: ask again until nothing new comes back.
+        checked: set[str] = set()
+        while True:
+            needed = referenced(result, lambda d: read_blob(function, d))
+            if needed <= checked:
+                return any((function, name) not in intact for name in needed)
+            if not all([present(function, name) for name in sorted(needed - checked)]):
+                return True
+            checked |= needed
 
     entries = list(entry_files(root))
     bad_entries: list[tuple[str, os.stat_result]] = []
@@ -232,31 +300,53 @@ def verify(root: Path, repair: bool = False, show_progress: bool = True) -> Find
             if kind != "ac":
                 continue
             try:
-                needed = referenced(re_pb2.ActionResult.FromString(data), lambda d, f=function: read_blob(f, d))
+                result = re_pb2.ActionResult.FromString(data)
+                fetched_before = refetch.fetched if refetch is not None else 0
+                dangling = missing_blobs(result, function)
             except DecodeError:
                 findings.broken_entries.append(path)
                 bad_entries.append((path, stat))
                 continue
-            if any((function, name) not in intact for name in needed):
+            if dangling:
                 findings.dangling_entries.append(path)
                 bad_entries.append((path, stat))
+            elif refetch is not None and refetch.fetched > fetched_before:
+                findings.restored_entries.append(path)
     if repair:
         # Entries before blobs: an interrupted repair leaves no entry pointing at a removed blob.
         for path, stat in bad_entries:
             findings.removed += _remove_if_unchanged(path, stat)
+        restored = set(findings.restored_blobs)
         for path in findings.corrupt_blobs:
-            findings.removed += _remove_if_unchanged(path, stats[path])
+            if path not in restored:
+                findings.removed += _remove_if_unchanged(path, stats[path])
+    findings.refetched = refetch.fetched if refetch is not None else 0
     findings.seconds = time.perf_counter() - started
     return findings
 
 
-def _checked(blob: BlobFile) -> tuple[bool, os.stat_result] | None:
-    try:
-        stat = os.stat(blob.path)
-    except FileNotFoundError:
-        return None
-    verdict = blob_is_intact(blob)
-    return None if verdict is None else (verdict, stat)
+def _tally(
+    findings: Findings,
+    blob: BlobFile,
+    checked: Checked,
+    stats: dict[str, os.stat_result],
+    intact: dict[tuple[DigestFunction, str], None],
+    refetch: Refetcher | None,
+) -> None:
+    if checked is None:
+        findings.vanished += 1
+        return
+    verdict, stat = checked
+    findings.blobs += 1
+    findings.bytes += blob.size
+    if verdict or stat is None:
+        intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
+        return
+    findings.corrupt_blobs.append(blob.path)
+    stats[blob.path] = stat
+    if refetch is not None and refetch.restore(blob.function, blob.hash, blob.size, stat):
+        findings.restored_blobs.append(blob.path)
+        intact[(blob.function, f"{blob.hash}-{blob.size}")] = None
 
 
 def summary(findings: Findings, repair: bool) -> str:
@@ -269,17 +359,30 @@ def summary(findings: Findings, repair: bool) -> str:
     )
     if repair:
         line += f"; removed {findings.removed}"
+        if findings.refetched or findings.restored_entries:
+            line += (
+                f"; refetched {findings.refetched} blobs from the bucket ({len(findings.restored_blobs)} damaged "
+                f"ones replaced, {len(findings.restored_entries)} entries made whole)"
+            )
     return line
 
 
-def run(directory: str, repair: bool, as_json: bool) -> int:
-    """Exit 0: nothing wrong (or everything found was removed); 1: problems left; 2: bad --dir."""
+def run(directory: str, repair: bool, as_json: bool, settings: Settings | None = None) -> int:
+    """Exit 0: nothing wrong (or everything found was repaired); 1: problems left; 2: bad --dir or bucket.
+
+    With `repair` and a bucket in `settings`, the bucket is checked before anything changes."""
     try:
-        findings = verify(Path(directory), repair=repair, show_progress=not as_json)
-    except VerifyError as e:
+        check_root(Path(directory))
+        source = None
+        if repair and settings is not None and settings.s3_bucket:
+            bucket = Bucket(settings, threads=2)
+            bucket.probe()
+            source = Refetcher(Path(directory), bucket)
+        findings = verify(Path(directory), repair=repair, show_progress=not as_json, source=source)
+    except (VerifyError, BucketError) as e:
         print(f"buildvault verify: {e}", file=sys.stderr)
         return 2
     emit(summary(findings, repair), findings.document(), as_json)
-    if findings.problems and not (repair and findings.removed >= findings.problems):
+    if findings.problems and not (repair and findings.unrepaired <= 0):
         return 1
     return 0

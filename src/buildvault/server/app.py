@@ -27,7 +27,7 @@ from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
 from buildvault.server.grpc.listener import GrpcListener
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
-from buildvault.server.pins import PinningActionStore, PinRegistry
+from buildvault.server.pins import PinningActionStore, PinRegistry, PinWatcher
 from buildvault.server.services import Listener, Services, StartupError
 from buildvault.storage import ActionStore, BlobStore
 from buildvault.storage.build import StackError, StoreStack, open_store_stack
@@ -181,9 +181,15 @@ class App:
         # Golden versions: the local tier's eviction skips what the pin indexes reach.
         self._pins = PinRegistry(stack.blobs, stack.protect)
         stack.actions = PinningActionStore(stack.actions, self._pins)
-        # The pin index is read from the local tier: start-up never waits on (or counts a miss in)
-        # the bucket; a pin written through another server is learned when it is written through this one.
-        await self._pins.load(stack.local_actions or stack.actions)
+        # Start-up reads every instance's pin index from the local tier (never waiting on, or
+        # counting a miss in, the bucket); pins set through other servers come from the bucket later.
+        namespaces = await stack.namespaces() if stack.namespaces is not None else ["ac"]
+        local = stack.local_actions or stack.actions
+        await self._pins.load(local, namespaces)
+        if stack.object_tier is not None:
+            watcher = PinWatcher(self._pins, stack.object_tier.ac.slow, local, self.settings.pins_refresh)
+            watcher.start()
+            self._closers.append(watcher.aclose)
         return stack
 
     def _banner(self) -> None:

@@ -1,14 +1,19 @@
 """The server's view of golden versions: which entries eviction must keep.
 
-Clients write pins as an ordinary ActionResult under the fixed pin-index key (buildvault/pins.py).
-`PinningActionStore` sees that entry pass through `put` (and reads it back at start-up), and
-hands the protector every blob a pin reaches (each pinned Tree, every file and directory in it,
-the `.key` blobs) and the action entries to keep (the index itself and each pinned artifact's
-entry). A pin index that cannot be read protects nothing new and never fails the write.
+Clients write pins as an ordinary ActionResult under the fixed pin-index key (buildvault/pins.py),
+one per instance. The registry hands the protector every blob a pin reaches (each pinned Tree,
+every file and directory in it, the `.key` blobs) and the action entries to keep (the index
+itself and each pinned artifact's entry). It learns a pin index three ways:
+- at start-up, from the local tier, for every instance that has entries there (`load`);
+- when one is written through this server, for any instance (`PinningActionStore.put`);
+- with a bucket, every `pins_refresh` seconds from the bucket, for every instance known here
+  (on disk, or asked about since start-up): pins set through another server (`PinWatcher`).
+A pin index that cannot be read protects nothing new and never fails a write.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
@@ -18,13 +23,14 @@ from buildvault import pins
 from buildvault.actions import read_blob
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
-from buildvault.storage import ActionStore, BlobStore, NotFound, ac_namespace
+from buildvault.storage import ActionStore, BlobStore, NotFound, StorageError
 from buildvault.storage.decorator import ForwardingActionStore
 
 log = logging.getLogger(__name__)
 
 Protector = Callable[[Iterable[Digest], Iterable[tuple[str, Digest]]], None]
 MAX_TREE_BYTES = 64 << 20
+MAX_WATCHED = 1000  # instances whose pin index is read from the bucket each round (one GET each)
 
 
 def _digest(message: re_pb2.Digest) -> Digest | None:
@@ -39,17 +45,30 @@ class PinRegistry:
         self.blobs = blobs
         self.protect = protect
         self.indexes: dict[str, re_pb2.ActionResult] = {}  # AC namespace -> pin index
+        self.raw: dict[str, bytes] = {}  # AC namespace -> the pin index as stored
+        self.known: set[str] = set()  # kind-"ac" namespaces this server has seen: where pins may be
         self.pinned_blobs: set[Digest] = set()
         self.pinned_actions: set[tuple[str, Digest]] = set()
 
-    async def learn(self, namespace: str, data: bytes) -> None:
+    def seen(self, namespace: str) -> None:
+        if namespace in self.known or len(self.known) >= MAX_WATCHED:
+            return
+        if namespace == "ac" or namespace.startswith("ac/"):
+            self.known.add(namespace)
+
+    def _parse(self, namespace: str, data: bytes) -> bool:
         index = re_pb2.ActionResult()
         try:
             index.ParseFromString(data)
         except DecodeError:
-            return
-        self.indexes[namespace] = index
-        await self._apply()
+            return False
+        self.seen(namespace)
+        self.indexes[namespace], self.raw[namespace] = index, bytes(data)
+        return True
+
+    async def learn(self, namespace: str, data: bytes) -> None:
+        if self._parse(namespace, data):
+            await self._apply()
 
     async def _tree_blobs(self, digest: Digest) -> set[Digest]:
         try:
@@ -76,33 +95,49 @@ class PinRegistry:
                     blobs |= await self._tree_blobs(d)
             for f in index.output_files:
                 d = _digest(f.digest)
-                if d is None:
-                    continue
-                blobs.add(d)
+                if d is not None:
+                    blobs.add(d)
+            for key_blob in pins.key_blobs(index):
+                d = _digest(key_blob)
                 try:
-                    text = (await read_blob(self.blobs, d, 1024)).decode()
-                    hash_, _, size = text.partition("/")
-                    actions.add((namespace, Digest.parse(hash_, int(size), DigestFunction.SHA256)))
-                except (NotFound, ValueError, UnicodeDecodeError):
+                    key = pins.parse_artifact_key(await read_blob(self.blobs, d, 1024)) if d else None
+                    if key is not None:
+                        actions.add((namespace, Digest.parse(*key, DigestFunction.SHA256)))
+                except (NotFound, ValueError):
                     continue
         self.pinned_blobs, self.pinned_actions = blobs, actions
         self.protect(blobs, actions)
 
-    async def load(self, actions: ActionStore, instances: Iterable[str] = ("",)) -> None:
-        """Read the pin indexes of `instances` at start-up."""
-        for instance in instances:
-            namespace = ac_namespace(instance)
+    async def load(self, actions: ActionStore, namespaces: Iterable[str] = ("ac",)) -> None:
+        """Read the pin index of each kind-"ac" namespace in `namespaces` at start-up."""
+        for namespace in namespaces:
+            self.seen(namespace)
+        for namespace in sorted(self.known):
             try:
-                data = await actions.get(namespace, pins.INDEX_DIGEST)
+                self._parse(namespace, await actions.get(namespace, pins.INDEX_DIGEST))
             except NotFound:
                 continue
-            index = re_pb2.ActionResult()
-            try:
-                index.ParseFromString(data)
-            except DecodeError:
-                continue
-            self.indexes[namespace] = index
         await self._apply()
+
+    async def refresh(self, source: ActionStore, local: ActionStore) -> int:
+        """Read every known namespace's pin index from `source` (the bucket); apply and keep locally
+        those that changed. Returns how many changed; a namespace the bucket cannot answer is skipped."""
+        changed = 0
+        for namespace in sorted(self.known):
+            try:
+                data = await source.get(namespace, pins.INDEX_DIGEST)
+            except StorageError:  # not there (NotFound), or the bucket is down: next round
+                continue
+            if data == self.raw.get(namespace) or not self._parse(namespace, data):
+                continue
+            changed += 1
+            try:  # so a client reading the index through this server sees the current one
+                await local.put(namespace, pins.INDEX_DIGEST, data)
+            except StorageError as e:
+                log.warning("could not keep the pin index of %s locally: %s", namespace, e)
+        if changed:
+            await self._apply()
+        return changed
 
     def listing(self) -> list[dict[str, str]]:
         """Every pin, for the status page: instance namespace, artifact name, label, Tree digest."""
@@ -122,10 +157,42 @@ class PinningActionStore(ForwardingActionStore):
         super().__init__(inner)
         self.registry = registry
 
+    async def get(self, namespace: str, digest: Digest) -> bytes:
+        self.registry.seen(namespace)  # a set lookup: an instance asked about is one to watch
+        return await self.inner.get(namespace, digest)
+
     async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
         await self.inner.put(namespace, digest, data)
+        self.registry.seen(namespace)
         if digest == pins.INDEX_DIGEST and (namespace == "ac" or namespace.startswith("ac/")):
             try:
                 await self.registry.learn(namespace, data)
             except Exception:  # a pin bookkeeping failure must not fail the write
                 log.warning("could not apply the pin index of %s", namespace, exc_info=True)
+
+
+class PinWatcher:
+    """Every `interval` seconds, `registry.refresh` from the bucket: pins set through other servers."""
+
+    def __init__(self, registry: PinRegistry, source: ActionStore, local: ActionStore, interval: float) -> None:
+        self.registry, self.source, self.local, self.interval = registry, source, local, interval
+        self.rounds = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.registry.refresh(self.source, self.local)
+            except Exception:  # keep watching: the next round may succeed
+                log.warning("could not refresh the pin indexes from the bucket", exc_info=True)
+            self.rounds += 1
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

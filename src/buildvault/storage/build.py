@@ -63,6 +63,7 @@ class StoreStack:
     max_blob_size: int = 0
     local_stats: Callable[[], Any] | None = None
     protect: Protector = _protect_nothing  # pinned versions: what the local tier's eviction skips
+    namespaces: Callable[[], Awaitable[list[str]]] | None = None  # the local tier's AC namespaces
     local_actions: ActionStore | None = None  # the local tier alone (start-up reads that must not wait on a bucket)
     object_tier: ObjectTier | None = None
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
@@ -141,6 +142,7 @@ async def _open_disk(settings: Settings, validate_entry: EntryValidator | None) 
         max_blob_size=settings.max_size,  # no blob larger than the whole cache can be stored
         local_stats=storage.stats,
         protect=storage.protect,
+        namespaces=storage.namespaces,
         closers=[storage.close],
     )
 

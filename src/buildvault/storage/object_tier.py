@@ -13,7 +13,9 @@ The slow side is composed from one-behaviour decorators, outermost first:
         ExistenceCache(PresenceIndex)       FindMissingBlobs without per-digest HEADs
           ObjectStore                       the bucket (boto3 off the event loop)
 
-and the action side is MeteredActionStore(FailOpenActionStore(ObjectStore)).
+and the action side is MeteredActionStore(FailOpenActionStore(ObjectStore)). A server that
+writes the bucket also renews the last use of the entries it serves (storage/last_use.py), so
+`buildvault gc` never ages out an entry builds still hit.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from buildvault.storage import ActionStore, BlobStore, StorageError
 from buildvault.storage.existence_cache import ExistenceCache, PresenceIndex
 from buildvault.storage.fail_open import FailOpenActionStore, FailOpenBlobStore, SlowTierHealth
 from buildvault.storage.journal import AC, CAS, JournalEntry, UploadJournal
+from buildvault.storage.last_use import LastUseRefresher
 from buildvault.storage.metrics import MeteredActionStore, MeteredBlobStore, StoreRecorder
 from buildvault.storage.tiered import TieredActionStore, TieredBlobStore
 
@@ -47,6 +50,7 @@ class ObjectTier:
         journal: UploadJournal | None,
         health: SlowTierHealth,
         presence: PresenceIndex,
+        last_use: LastUseRefresher | None = None,
     ) -> None:
         self.object_store = object_store
         self.cas = cas
@@ -54,6 +58,7 @@ class ObjectTier:
         self.journal = journal
         self.health = health
         self.presence = presence
+        self.last_use = last_use
         self._uploads_on = asyncio.Event()
         self._uploads_on.set()
         self._started = False
@@ -98,9 +103,13 @@ class ObjectTier:
         }
         if self.journal is not None:
             stats["journal"] = self.journal.stats()
+        if self.last_use is not None:
+            stats["last_use"] = {**self.last_use.counters, "pending": self.last_use.pending}
         return stats
 
     async def aclose(self) -> None:
+        if self.last_use is not None:
+            await self.last_use.aclose()
         if self.journal is not None and self._started:
             await self.journal.close()
         await self.health.close()
@@ -151,5 +160,7 @@ def build_object_tier(
     cas = TieredBlobStore(
         fast_cas, slow_cas, journal, known_in_slow=cache.known_present, read_only=read_only, uploads=uploads
     )
-    ac = TieredActionStore(fast_ac, slow_ac, journal, read_only=read_only, uploads=uploads)
-    return ObjectTier(store, cas, ac, journal, health, cache.index)
+    last_use = None if read_only or not uploads else LastUseRefresher(store.refresh_entry, lambda: health.healthy)
+    served = last_use.served if last_use is not None else None
+    ac = TieredActionStore(fast_ac, slow_ac, journal, read_only=read_only, uploads=uploads, served=served)
+    return ObjectTier(store, cas, ac, journal, health, cache.index, last_use)

@@ -71,6 +71,7 @@ REQUEST_KINDS = (
     "PUT",
     "LIST",
     "DELETE",
+    "COPY",
     "HEAD_BUCKET",
     "MULTIPART_CREATE",
     "MULTIPART_PART",
@@ -465,6 +466,30 @@ class ObjectStore(OneByOneBatches):
             Metadata={"bv-sha256": hashlib.sha256(data).hexdigest()},
         )
         self.bytes_written += len(data)
+
+    async def refresh_entry(self, namespace: str, digest: Digest) -> bool:
+        """Renew an entry's LastModified (what `buildvault gc` reads as its last use): copy it onto
+        itself, metadata kept. False if it is not in the bucket: an entry is never recreated here.
+        The copy is conditional on the ETag just seen, so a concurrent rewrite is never clobbered."""
+        what = f"entry {digest} in {namespace!r}"
+        self._check_writable(what)
+        key = self.ac_key(namespace, digest)
+        try:
+            head = await self._call("HEAD", what, self._client.head_object, Key=key)
+        except NotFound:
+            return False
+        await self._call(
+            "COPY",
+            what,
+            self._client.copy_object,
+            Key=key,
+            CopySource={"Bucket": self.bucket, "Key": key},
+            CopySourceIfMatch=head["ETag"],
+            MetadataDirective="REPLACE",
+            Metadata=head.get("Metadata") or {},
+            ContentType=head.get("ContentType") or "application/octet-stream",
+        )
+        return True
 
 
 def _hash_and_write(hasher: Any, spool: Any, chunk: bytes) -> None:

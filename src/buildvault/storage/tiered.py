@@ -304,12 +304,14 @@ class TieredActionStore:
         *,
         read_only: bool = False,
         uploads: bool = True,
+        served: Callable[[str, Digest], None] | None = None,
     ) -> None:
         self.fast = fast
         self.slow = slow
         self.journal = journal
         self.read_only = read_only
         self.uploads = uploads
+        self.served = served  # told of every hit (storage/last_use.py keeps the bucket's last use)
         events = ("fast_hits", "slow_hits", "misses", "lost_uploads", "unavailable")
         self.counters: dict[str, int] = dict.fromkeys(events, 0)
 
@@ -317,6 +319,8 @@ class TieredActionStore:
         try:
             data = await self.fast.get(namespace, digest)
             self.counters["fast_hits"] += 1
+            if self.served is not None:
+                self.served(namespace, digest)
             return data
         except NotFound:
             pass
@@ -329,6 +333,8 @@ class TieredActionStore:
             self.counters["unavailable"] += 1
             raise NotFound(f"no entry for {digest} in {namespace!r} locally ({exc})") from exc
         self.counters["slow_hits"] += 1
+        if self.served is not None:
+            self.served(namespace, digest)
         try:
             await self.fast.put(namespace, digest, data)
         except Exception as exc:  # serving the entry matters more than caching it

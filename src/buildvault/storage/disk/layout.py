@@ -248,3 +248,25 @@ def leaf_dirs(layout: Layout, racy_ns: int) -> LeafDirs:
 
     walk(layout.ac_dir, [])
     return dirs
+
+
+def ac_namespaces(layout: Layout) -> list[str]:
+    """Every AC namespace with a directory on disk ("ac", "ac/team", "raw", ...), sorted.
+
+    Lists directories only, never leaf contents; runs in a worker thread."""
+    found: list[str] = []
+
+    def walk(path: str, segments: list[str]) -> None:
+        try:
+            with os.scandir(path) as entries:
+                children = [entry for entry in entries if entry.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return
+        if segments and any(child.name.startswith("@") for child in children):
+            found.append("/".join(segments))
+        for child in children:
+            if not child.name.startswith("@") and SEGMENT.fullmatch(child.name) and child.name not in (".", ".."):
+                walk(child.path, [*segments, child.name])
+
+    walk(layout.ac_dir, [])
+    return sorted(found)

@@ -240,6 +240,10 @@ class DiskStorage:
             raise StorageError("disk store is closed")
         await self._syncer.sync()
 
+    async def namespaces(self) -> list[str]:
+        """The AC namespaces that have a directory in the store (pins are looked for in each)."""
+        return list(await self._core.io(layout.ac_namespaces, self._core.layout, what="listing namespaces"))
+
     def protect(self, blobs: Iterable[Digest], actions: Iterable[tuple[str, Digest]]) -> None:
         """Replace the set of entries eviction must skip (pinned versions: their blobs and action
         entries). Entries not stored yet are protected once they are."""
