@@ -74,6 +74,9 @@ def default_data_dir() -> Path:
 class Settings:
     dir: Path = _setting(None, Path, "data directory (CAS, action cache, upload journal)", "DIR")
     max_size: int = _setting(parse_size("10GiB"), parse_size, "disk cache size cap, e.g. 20GiB", "SIZE")
+    eviction_hold: int = _setting(
+        2, int, "seconds a just-used blob or entry is kept from eviction for a write (0: plain LRU)", "SECONDS"
+    )
     grpc_address: str = _setting("127.0.0.1:9092", parse_address, "gRPC listen address (empty: off)", "HOST:PORT")
     http_address: str = _setting("127.0.0.1:8080", parse_address, "HTTP listen address (empty: off)", "HOST:PORT")
     log_level: str = _setting("info", str, "debug, info, warning or error (debug: one JSON line per request)", "LEVEL")
@@ -150,6 +153,8 @@ class Settings:
             raise ConfigError(f"s3_addressing: {self.s3_addressing!r} is not 'path' or 'virtual'")
         if not self.s3_request_budget > 0:
             raise ConfigError(f"s3_request_budget: {self.s3_request_budget!r} must be a positive number of seconds")
+        if self.eviction_hold < 0:
+            raise ConfigError(f"eviction_hold: {self.eviction_hold!r} must be 0 or more seconds")
         if not self.pins_refresh > 0:
             raise ConfigError(f"pins_refresh: {self.pins_refresh!r} must be a positive number of seconds")
         if self.s3_checksums not in ("when_required", "when_supported"):

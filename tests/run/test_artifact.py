@@ -109,7 +109,9 @@ def test_pins_roll_back_to_a_golden_version(server: ServerProcess, tmp_path: Pat
 def test_pinned_version_survives_eviction_and_shows_on_the_status_page(
     server_factory: Callable[..., ServerProcess], tmp_path: Path,
 ) -> None:
-    server = server_factory(extra_args=["--max-size", "400KiB"])
+    # Plain LRU: with the eviction hold, pushes quicker than 2 s apart would fill this tiny cap
+    # with held entries and be refused (that rule has tests of its own).
+    server = server_factory(extra_args=["--max-size", "400KiB", "--eviction-hold", "0"])
     env = step_env(server, tmp_path / "agent", tmp_path / "runs.log")
     make_tree(tmp_path)
     lib = tmp_path / "output" / "lib" / "libops.so"

@@ -132,7 +132,9 @@ async def _open_disk(settings: Settings, validate_entry: EntryValidator | None) 
 
     directory = settings.dir
     try:
-        storage = await DiskStorage.open(directory, settings.max_size, validate_entry=validate_entry)
+        storage = await DiskStorage.open(
+            directory, settings.max_size, validate_entry=validate_entry, hold_seconds=settings.eviction_hold
+        )
     except (OSError, StorageError) as exc:
         raise StackError(f"cannot open the data directory {directory}: {exc}") from None
     return StoreStack(
