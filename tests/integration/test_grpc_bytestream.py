@@ -278,6 +278,25 @@ async def test_resume_after_half_close(stubs):
     assert await read(stubs, d) == data
 
 
+async def test_uploads_waiting_to_be_resumed_are_bounded(stubs):
+    # Clients abandoning uploads in a loop must not grow the server's memory without bound: past
+    # MAX_DETACHED (32) uploads waiting for a stream, the oldest is aborted and starts over.
+    datas = [blob(64 << 10) for _ in range(64)]
+    names = [upload_name(digest(d)) for d in datas]
+    for name, data in zip(names, datas, strict=True):
+        reply = await stubs.bytestream.Write(iterate(write_requests(name, data[:1000], finish=False)))
+        assert reply.committed_size == 1000
+    statuses = [await query(stubs, name) for name in names]
+    # Whatever other tests left waiting is older: the 32 newest are these, the rest were aborted.
+    assert [(q.committed_size, q.complete) for q in statuses[32:]] == [(1000, False)] * 32
+    assert [(q.committed_size, q.complete) for q in statuses[:32]] == [(0, False)] * 32
+    # An aborted upload starts over at 0 and completes; a kept one resumes where it was.
+    assert (await stubs.bytestream.Write(iterate(write_requests(names[0], datas[0])))).committed_size == 64 << 10
+    rest = write_requests(names[-1], datas[-1], start=1000)
+    assert (await stubs.bytestream.Write(iterate(rest))).committed_size == 64 << 10
+    assert await read(stubs, digest(datas[0])) == datas[0] and await read(stubs, digest(datas[-1])) == datas[-1]
+
+
 async def test_resume_after_broken_stream(stubs):
     data = blob(2 * MiB)
     d = digest(data)

@@ -37,6 +37,11 @@ log = logging.getLogger("buildvault.bytestream")
 DEFAULT_UPLOAD_GRACE = 60.0
 # Finished uploads remembered for QueryWriteStatus.
 COMPLETED_MEMORY = 10_000
+# Uploads kept resumable without a stream at most: each holds up to ~2 MiB of received bytes in
+# the store's writer until it is resumed or its grace ends, so clients abandoning uploads in a
+# loop would otherwise grow memory without bound. Beyond it the oldest is aborted (its client
+# starts it again, as after the grace).
+MAX_DETACHED = 32
 
 # Outcomes of one Write stream feeding an upload.
 FINISHED = "finished"  # finish_write seen: the store is verifying and publishing
@@ -161,6 +166,7 @@ class Upload:
     ) -> asyncio.Future[object]:
         """Feed the upload from this stream; the future says how the stream ended."""
         self._cancel_expiry()
+        self.manager._resumable.pop(self.key, None)
         self.attached = True
         self._outcome = asyncio.get_running_loop().create_future()
         self._stream = (first, iterator)
@@ -184,6 +190,7 @@ class Upload:
             return
         self._cancel_expiry()
         self._expiry = asyncio.get_running_loop().call_later(self.manager.grace, self.abort)
+        self.manager._detached(self)
 
     def abort(self) -> None:
         """Abandon the upload: the store write is cancelled and nothing becomes visible."""
@@ -201,10 +208,14 @@ class Upload:
 class Uploads:
     """The uploads in progress, by resource name, and the recently finished ones."""
 
-    def __init__(self, blobs: BlobStore, grace: float = DEFAULT_UPLOAD_GRACE) -> None:
+    def __init__(
+        self, blobs: BlobStore, grace: float = DEFAULT_UPLOAD_GRACE, max_detached: int = MAX_DETACHED
+    ) -> None:
         self.blobs = blobs
         self.grace = grace
+        self.max_detached = max_detached
         self._active: dict[UploadKey, Upload] = {}
+        self._resumable: collections.OrderedDict[UploadKey, Upload] = collections.OrderedDict()  # detached, oldest first
         self._completed: collections.OrderedDict[UploadKey, int] = collections.OrderedDict()
 
     def get(self, key: UploadKey) -> Upload | None:
@@ -222,6 +233,22 @@ class Uploads:
     def _forget(self, upload: Upload) -> None:
         if self._active.get(upload.key) is upload:
             del self._active[upload.key]
+        if self._resumable.get(upload.key) is upload:
+            del self._resumable[upload.key]
+
+    def _detached(self, upload: Upload) -> None:
+        """`upload` waits for a stream to resume it; past `max_detached` the oldest waiting is aborted."""
+        self._resumable[upload.key] = upload
+        self._resumable.move_to_end(upload.key)
+        while len(self._resumable) > self.max_detached:
+            _, oldest = self._resumable.popitem(last=False)
+            log.info("upload of %s aborted: more than %d uploads wait to be resumed", oldest.digest, self.max_detached)
+            oldest.abort()
+
+    @property
+    def detached(self) -> int:
+        """Uploads waiting to be resumed (for tests and the status page)."""
+        return len(self._resumable)
 
     def _remember(self, key: UploadKey, committed: int) -> None:
         self._completed[key] = committed
