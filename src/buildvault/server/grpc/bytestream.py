@@ -215,7 +215,8 @@ class Uploads:
         self.grace = grace
         self.max_detached = max_detached
         self._active: dict[UploadKey, Upload] = {}
-        self._resumable: collections.OrderedDict[UploadKey, Upload] = collections.OrderedDict()  # detached, oldest first
+        # Detached uploads waiting for a stream, oldest first.
+        self._resumable: collections.OrderedDict[UploadKey, Upload] = collections.OrderedDict()
         self._completed: collections.OrderedDict[UploadKey, int] = collections.OrderedDict()
 
     def get(self, key: UploadKey) -> Upload | None:
