@@ -138,6 +138,35 @@ async def test_existence_cache_shares_checks_in_flight():
     assert inner.calls == {"find_missing": 1} and len(inner.asked) == 10
 
 
+async def test_existence_check_outlives_a_caller_that_gives_up_and_is_cached():
+    # The request path's budget gives up on a slow bucket; the check goes on, so the next request
+    # about the same digests is answered from the cache instead of asking (and waiting) again.
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    class Slow(Recording):
+        async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+            entered.set()
+            await release.wait()
+            return await super().find_missing(digests)
+
+    slow = MemoryBlobStore()
+    stored, absent = blobs(2), blobs(2)
+    await slow.write_blobs(stored)
+    inner = Slow(slow)
+    cache = ExistenceCache(inner)
+    digests = [d for d, _ in stored + absent]
+    impatient = asyncio.ensure_future(cache.find_missing(digests))
+    await entered.wait()
+    impatient.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await impatient
+    release.set()
+    assert await cache.find_missing(digests) == [d for d, _ in absent]  # joins or reads the finished check
+    assert inner.calls == {"find_missing": 1}
+    assert all(cache.known_present(d) for d, _ in stored)
+    await cache.aclose()
+
+
 async def test_existence_cache_learns_from_writes_and_forgets_corrupt_reads():
     inner = Recording(MemoryBlobStore())
     cache = ExistenceCache(inner)

@@ -69,6 +69,7 @@ class ExistenceCache(ForwardingBlobStore):
         super().__init__(inner)
         self.index = index if index is not None else PresenceIndex()
         self._in_flight: dict[Digest, asyncio.Future[bool | None]] = {}
+        self._checks: set[asyncio.Task[None]] = set()  # running checks (kept referenced until done)
 
     def known_present(self, digest: Digest) -> bool:
         """True if the inner store is known to hold the blob (no request made)."""
@@ -97,7 +98,11 @@ class ExistenceCache(ForwardingBlobStore):
         return out
 
     async def _check(self, digests: list[Digest]) -> None:
-        """Ask the inner store about `digests` in one call, sharing checks already in flight."""
+        """Ask the inner store about `digests` in one call, sharing checks already in flight.
+
+        The call runs as a task of its own: a caller that gives up (the request path's time
+        budget, a client gone) leaves it running, so what it learns is cached and the next request
+        about the same digests is answered at once instead of asking the slow tier again."""
         loop = asyncio.get_running_loop()
         mine: list[Digest] = []
         waits: list[asyncio.Future[bool | None]] = []
@@ -107,18 +112,37 @@ class ExistenceCache(ForwardingBlobStore):
                 future = self._in_flight[digest] = loop.create_future()
                 mine.append(digest)
             waits.append(future)
-        try:
-            if mine:
-                absent = set(await self.inner.find_missing(mine))
-                for digest in mine:
-                    present = digest not in absent
-                    self.index.set(digest, present)
-                    self._resolve(digest, present)
-        finally:
-            for digest in mine:  # failed or cancelled: never leave concurrent callers waiting
-                self._resolve(digest, None)
-        if None in await asyncio.gather(*waits):
+        if mine:
+            task = asyncio.create_task(self._ask(mine), name="existence check")
+            self._checks.add(task)
+            task.add_done_callback(self._checked)
+            await asyncio.shield(task)  # its failure is this caller's (others see None below)
+        # Shielded: a caller giving up must not cancel futures that concurrent callers share.
+        if None in await asyncio.shield(asyncio.gather(*waits)):
             raise Unavailable("a concurrent existence check of the same blobs failed")
+
+    async def _ask(self, digests: list[Digest]) -> None:
+        try:
+            absent = set(await self.inner.find_missing(digests))
+            for digest in digests:
+                present = digest not in absent
+                self.index.set(digest, present)
+                self._resolve(digest, present)
+        finally:
+            for digest in digests:  # failed or cancelled: never leave concurrent callers waiting
+                self._resolve(digest, None)
+
+    def _checked(self, task: asyncio.Task[None]) -> None:
+        self._checks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that gave up is not there to see it
+
+    async def aclose(self) -> None:
+        """Cancel the checks still running (shutdown)."""
+        checks = list(self._checks)
+        for task in checks:
+            task.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
 
     def _resolve(self, digest: Digest, present: bool | None) -> None:
         future = self._in_flight.pop(digest, None)

@@ -49,7 +49,7 @@ class ObjectTier:
         ac: TieredActionStore,
         journal: UploadJournal | None,
         health: SlowTierHealth,
-        presence: PresenceIndex,
+        existence: ExistenceCache,
         last_use: LastUseRefresher | None = None,
     ) -> None:
         self.object_store = object_store
@@ -57,7 +57,8 @@ class ObjectTier:
         self.ac = ac
         self.journal = journal
         self.health = health
-        self.presence = presence
+        self.existence = existence
+        self.presence = existence.index
         self.last_use = last_use
         self._uploads_on = asyncio.Event()
         self._uploads_on.set()
@@ -112,6 +113,7 @@ class ObjectTier:
             await self.last_use.aclose()
         if self.journal is not None and self._started:
             await self.journal.close()
+        await self.existence.aclose()
         await self.health.close()
         self.object_store.close()
 
@@ -163,4 +165,4 @@ def build_object_tier(
     last_use = None if read_only or not uploads else LastUseRefresher(store.refresh_entry, lambda: health.healthy)
     served = last_use.served if last_use is not None else None
     ac = TieredActionStore(fast_ac, slow_ac, journal, read_only=read_only, uploads=uploads, served=served)
-    return ObjectTier(store, cas, ac, journal, health, cache.index, last_use)
+    return ObjectTier(store, cas, ac, journal, health, cache, last_use)
