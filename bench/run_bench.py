@@ -132,6 +132,10 @@ def main() -> int:
         assert "SAVED" in first, first
         timed_hits(argv, step, env, 1)  # the first hit may start the agent
         hits = timed_hits(argv, step, env, args.repeat)
+        # buildvault-run-fast: what buildvault.cmake starts (python -IS, no site-packages start-up)
+        fast = subprocess.run([str(BUILDVAULT), "run", "--install-fast", str(work / "bin")], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        fast_hits = timed_hits([fast, *argv[2:]], step, env, args.repeat)
         no_agent = {**env, "BUILDVAULT_RUN_AGENT": "0"}
         cli_in_process = timed_hits(argv, step, no_agent, args.repeat)
         in_process = hits_in_process(argv[2:], step, no_agent, args.repeat)
@@ -145,6 +149,8 @@ def main() -> int:
             "inputs": 20, "outputs": 5, "repeat": args.repeat,
             "hit_p50_ms": round(statistics.median(hits) * 1000, 1),
             "hit_p95_ms": round(percentile(hits, 95) * 1000, 1),
+            "fast_script_hit_p50_ms": round(statistics.median(fast_hits) * 1000, 1),
+            "fast_script_hit_p95_ms": round(percentile(fast_hits, 95) * 1000, 1),
             "no_agent_hit_p50_ms": round(statistics.median(cli_in_process) * 1000, 1),
             "no_agent_hit_p95_ms": round(percentile(cli_in_process, 95) * 1000, 1),
             "in_process_hit_p50_ms": round(statistics.median(in_process) * 1000, 1),

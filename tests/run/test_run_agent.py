@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 
-from run_harness import ServerProcess, run_step, runs, tree_bytes
+from run_harness import BUILDVAULT, ServerProcess, Step, run_step, runs, tree_bytes
 from test_run_step import make_env, op_args
 
 from buildvault.client import protocol
@@ -99,3 +100,30 @@ def test_remote_flag_other_than_the_environment_is_served_in_process(
     hit = run_step(args, checkout, {**env, "PYTHONPROFILEIMPORTTIME": "1"})
     assert (hit.code, hit.status) == (0, "HIT")
     assert "grpc" in imported(hit.stderr)  # the agent's remote is the environment's, not this one
+
+
+def test_the_python_IS_front_hits_without_site_and_misses_through_it(
+    server: ServerProcess, checkout: Path, tmp_path: Path
+) -> None:
+    """buildvault-run-fast (what buildvault.cmake starts): python -IS, so no site-packages start-up;
+    a hit needs only the standard library, and a miss enters site-packages for the gRPC stack."""
+    written = subprocess.run([str(BUILDVAULT), "run", "--install-fast", str(tmp_path / "bin")],
+                             capture_output=True, text=True, check=True)
+    fast = Path(written.stdout.strip())
+    assert fast == tmp_path / "bin" / "buildvault-run-fast" and fast.read_text().startswith("#!")
+    assert fast.read_text().splitlines()[0].endswith(" -IS")
+    env = make_env(server, tmp_path)
+
+    def run_fast(args: list[str], extra: dict[str, str] | None = None) -> Step:
+        proc = subprocess.run([str(fast), *args], cwd=checkout, env={**env, **(extra or {})},
+                              capture_output=True, text=True, timeout=300)
+        return Step(proc.returncode, proc.stdout, proc.stderr)
+
+    saved = run_fast(op_args("add"))  # a miss: the in-process path, through site.main()
+    assert (saved.code, saved.status) == (0, "SAVED"), saved.stdout + saved.stderr
+    assert runs(tmp_path / "runs.log") == ["ops/add.cc"]
+    before = tree_bytes(checkout / "out")
+    shutil.rmtree(checkout / "out")
+    hit = run_fast(op_args("add"))
+    assert (hit.code, hit.status, hit.key) == (0, "HIT", saved.key), hit.stdout + hit.stderr
+    assert tree_bytes(checkout / "out") == before and runs(tmp_path / "runs.log") == []

@@ -368,38 +368,11 @@ def _control(op: str) -> int:
     return 0
 
 
-FAST_SCRIPT = """#!{python} -IS
-# buildvault-cc started without site-packages processing: the launcher needs only the stdlib.
-import sys
-sys.path.insert(0, {path!r})
-from buildvault.client.launcher import main
-sys.exit(main())
-"""
-
-
 def install_fast(directory: str | None) -> int:
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    directory = directory or os.path.dirname(os.path.abspath(sys.argv[0]))
-    target = os.path.join(directory, "buildvault-cc-fast")
-    text = FAST_SCRIPT.format(python=sys.executable, path=package_parent)
-    try:
-        with open(target) as f:
-            if f.read() == text:
-                print(target)
-                return 0
-    except OSError:
-        pass
-    tmp = f"{target}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-    except OSError as e:
-        _warn(f"buildvault-cc: cannot write {target}: {e}")
-        return 1
-    print(target)
-    return 0
+    from .fast_script import install
+
+    entry = "from buildvault.client.launcher import main\nsys.exit(main())"
+    return install("buildvault-cc-fast", "buildvault-cc --install-fast", entry, directory)
 
 
 def main(argv: list[str] | None = None) -> int:

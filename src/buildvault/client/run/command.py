@@ -45,6 +45,10 @@ def main_run(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str,
     code = run_fast(spec, env)
     if code is not None:
         return code
+    if sys.flags.no_site:  # started as buildvault-run-fast (python -IS): grpc lives in site-packages
+        import site
+
+        site.main()
     from .step import run_step  # the in-process path: imports the gRPC stack
 
     return run_step(spec, env)
@@ -52,6 +56,8 @@ def main_run(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str,
 
 def run_main(argv: list[str]) -> int:
     """`buildvault run ARGS` parsed by its own parser (what `buildvault` does for `run`)."""
+    if argv[:1] == ["--install-fast"]:
+        return install_fast(argv[1] if len(argv) > 1 else None)
     from .quick_args import quick_parse
 
     quick = quick_parse(argv)
@@ -68,3 +74,12 @@ def run_main(argv: list[str]) -> int:
 def main_cmake_module_path() -> int:
     print(CMAKE_MODULE_DIR)
     return 0 if os.path.isfile(os.path.join(CMAKE_MODULE_DIR, "buildvault.cmake")) else 1
+
+
+def install_fast(directory: str | None) -> int:
+    """DIR/buildvault-run-fast: `buildvault run` started as python -IS (client/fast_script.py);
+    main_run enters site-packages itself before the in-process path. buildvault.cmake uses it."""
+    from ..fast_script import install
+
+    entry = "from buildvault.client.run.command import run_main\nsys.exit(run_main(sys.argv[1:]))"
+    return install("buildvault-run-fast", "buildvault run --install-fast", entry, directory)
