@@ -56,6 +56,19 @@ class Recording(ForwardingBlobStore):
         return await self.inner.read_blobs(digests)
 
 
+class Gated(Recording):
+    """A Recording whose find_missing waits for `release` after setting `entered`."""
+
+    def __init__(self, inner: BlobStore) -> None:
+        super().__init__(inner)
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        self.entered.set()
+        await self.release.wait()
+        return await super().find_missing(digests)
+
+
 def blobs(n: int) -> list[tuple[Digest, bytes]]:
     return [(Digest.of(data := os.urandom(50 + i)), data) for i in range(n)]
 
@@ -120,15 +133,8 @@ async def test_existence_cache_asks_once_per_unknown_digest_in_one_call():
 
 
 async def test_existence_cache_shares_checks_in_flight():
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    class Slow(Recording):
-        async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-            entered.set()
-            await release.wait()
-            return await super().find_missing(digests)
-
-    inner = Slow(MemoryBlobStore())
+    inner = Gated(MemoryBlobStore())
+    entered, release = inner.entered, inner.release
     cache = ExistenceCache(inner)
     digests = [d for d, _ in blobs(10)]
     callers = [asyncio.ensure_future(cache.find_missing(digests)) for _ in range(3)]
@@ -141,18 +147,11 @@ async def test_existence_cache_shares_checks_in_flight():
 async def test_existence_check_outlives_a_caller_that_gives_up_and_is_cached():
     # The request path's budget gives up on a slow bucket; the check goes on, so the next request
     # about the same digests is answered from the cache instead of asking (and waiting) again.
-    entered, release = asyncio.Event(), asyncio.Event()
-
-    class Slow(Recording):
-        async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-            entered.set()
-            await release.wait()
-            return await super().find_missing(digests)
-
     slow = MemoryBlobStore()
     stored, absent = blobs(2), blobs(2)
     await slow.write_blobs(stored)
-    inner = Slow(slow)
+    inner = Gated(slow)
+    entered, release = inner.entered, inner.release
     cache = ExistenceCache(inner)
     digests = [d for d, _ in stored + absent]
     impatient = asyncio.ensure_future(cache.find_missing(digests))
