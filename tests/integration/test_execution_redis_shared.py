@@ -219,14 +219,38 @@ async def test_an_operation_whose_server_stopped_is_not_found_elsewhere(buildvau
         wait_call = execution_stub(on_b).WaitExecution(re_pb2.WaitExecutionRequest(name=name))
         assert not (await wait_call.read()).done
         following = asyncio.ensure_future(_rest(wait_call))
-        await wait_until(lambda: started_jobs(redis.url), 60, "the job to start on the worker")
+        await wait_until(lambda: processes_with(str(tmp_path / "never")), 60, "the job to run on the worker")
         a.stop()
         # The stream on B ends with a retryable answer (Bazel Executes again).
         lost = final_response(await asyncio.wait_for(following, 30))
         assert lost.status.code == code_pb2.UNAVAILABLE, lost
+    # Nobody can read the job's result any more: the worker kills it (its timeout is 10 minutes).
+    await wait_until(lambda: not processes_with(str(tmp_path / "never")), 30, "the orphaned action to be killed")
     # A server that never saw the operation, A restarted, answers NOT_FOUND (Bazel re-Executes).
     a.start()
     async with grpc.aio.insecure_channel(a.grpc_address, options=CLIENT_OPTIONS) as restarted:
         with pytest.raises(grpc.aio.AioRpcError) as again:
             await operations_stub(restarted).GetOperation(operations_pb2.GetOperationRequest(name=name))
         assert again.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_stopped_worker_kills_its_action_and_another_worker_reruns_the_job(
+    buildvault_server_factory, redis, worker, tmp_path
+):
+    server = buildvault_server_factory("queue", extra_args=["--queue", redis.url])
+    first = worker(server, "first")
+    gate = tmp_path / "go"
+    spec = gated(gate, "echo done", salt=uuid.uuid4().bytes)
+    async with grpc.aio.insecure_channel(server.grpc_address, options=CLIENT_OPTIONS) as channel:
+        digest = await spec.upload(make_stubs(channel))
+        running = asyncio.ensure_future(_all(execution_stub(channel).Execute(_request(digest))))
+        await wait_until(lambda: processes_with(str(gate)), 60, "the action to run on the first worker")
+        first.stop()  # SIGTERM
+        assert first.process is not None and first.process.returncode is not None
+        assert not processes_with(str(gate)), "the stopped worker left its action running"
+        worker(server, "second")
+        await wait_until(lambda: len(started_jobs(redis.url)) == 2, 60, "the second worker to take the job back")
+        gate.touch()
+        response = final_response(await asyncio.wait_for(running, 60))
+    assert response.status.code == code_pb2.OK and response.result.exit_code == 0, response
+    assert response.result.execution_metadata.worker == "second"

@@ -9,6 +9,11 @@ group `workers`), the most urgent priority band first, and skips jobs cancelled 
 keeps its running jobs' leases fresh (XCLAIM every few seconds) and takes back jobs another
 worker left pending longer than the lease (XAUTOCLAIM); a job delivered more than
 MAX_DELIVERIES times ends UNAVAILABLE naming the worker that last had it.
+
+Nothing it started outlives it: on SIGTERM or SIGINT it kills its running actions' process
+groups and leaves their jobs pending, so another worker takes them back after the lease; a job
+whose server is gone (its heartbeat expired: nobody can read the result any more) is stopped and
+dropped, and a queued one is not started.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +62,14 @@ return false
 """
 
 
+@dataclass
+class RunningJob:
+    stream: str
+    entry_id: str
+    server: str  # the id of the server that queued it, whose results stream gets the answer
+    cancel: process.Cancel
+
+
 class RedisWorker:
     def __init__(
         self,
@@ -80,7 +95,9 @@ class RedisWorker:
         self.sandbox_kind = sandbox_kind
         self.name = name
         self.lease = lease
-        self.running: dict[str, tuple[str, str, process.Cancel]] = {}  # job id -> (stream, entry id, cancel)
+        self.running: dict[str, RunningJob] = {}  # by job id
+        self._stopping = False  # serve() is ending: running jobs are killed and left for other workers
+        self._orphaned: set[str] = set()  # running jobs whose server is gone: killed, acknowledged, no result
         self._tasks: set[asyncio.Task[None]] = set()
         self._slot_free = asyncio.Event()
         self._grouped: set[str] = set()  # streams whose consumer group exists
@@ -153,10 +170,11 @@ class RedisWorker:
                     for entry_id, fields in entries:
                         self._start(stream.decode(), entry_id.decode(), fields, attempt=1)
         finally:
+            self._stopping = True
             housekeeping.cancel()
             cancels.cancel()
-            for _, _, cancel in self.running.values():
-                cancel.set()
+            for job in self.running.values():
+                job.cancel.set()
             await asyncio.gather(*self._tasks, housekeeping, cancels, return_exceptions=True)
             await self.redis.hdel(keys.WORKERS, self.name)
             await self.redis.aclose()
@@ -167,7 +185,7 @@ class RedisWorker:
         assert isinstance(frame, wire.JobFrame)
         server = fields[b"server"].decode()
         cancel = process.Cancel()
-        self.running[frame.id] = (stream, entry_id, cancel)
+        self.running[frame.id] = RunningJob(stream, entry_id, server, cancel)
         task = asyncio.create_task(self._run(stream, entry_id, server, frame, cancel, attempt))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -184,19 +202,41 @@ class RedisWorker:
                 await self.redis.xadd(results, {"type": "result", "id": job.id, "frame": skipped.encode()})
                 await self.redis.xack(stream, keys.GROUP, entry_id)
                 return
+            if not await self._server_alive(server):
+                log.info("skipping job %s: the server that queued it is gone", job.id)
+                await self.redis.xack(stream, keys.GROUP, entry_id)
+                return
             await self.redis.hset(keys.OWNERS, entry_id, self.name)
             await self.redis.xadd(
                 results, {"type": "started", "id": job.id, "worker": self.name, "attempt": str(attempt)}
             )
             runner = Runner(self.cas.get(job.instance), self.work_dir, sandbox_kind=self.sandbox_kind, name=self.name)
             result, status, logs = await asyncio.to_thread(runner.run, job, cancel)
+            if self._stopping:
+                return  # killed by this worker's stop: the job stays pending, another worker takes it back
+            if job.id in self._orphaned:
+                await self.redis.xack(stream, keys.GROUP, entry_id)
+                await self.redis.hdel(keys.OWNERS, entry_id)
+                return
             frame = wire.ResultFrame(job.id, result, status, logs)
             await self.redis.xadd(results, {"type": "result", "id": job.id, "frame": frame.encode()})
             await self.redis.xack(stream, keys.GROUP, entry_id)
             await self.redis.hdel(keys.OWNERS, entry_id)
         finally:
             self.running.pop(job.id, None)
+            self._orphaned.discard(job.id)
             self._slot_free.set()
+
+    async def _server_alive(self, server: str) -> bool:
+        return bool(await self.redis.exists(keys.SERVER + server))
+
+    async def _stop_orphans(self) -> None:
+        """Kill running jobs whose server stopped: their operations are gone, so is their reader."""
+        for job_id, job in list(self.running.items()):
+            if job_id not in self._orphaned and not await self._server_alive(job.server):
+                log.warning("stopping job %s: the server that queued it is gone", job_id)
+                self._orphaned.add(job_id)
+                job.cancel.set()
 
     async def _housekeeping(self) -> None:
         """Heartbeat, keep own leases fresh, take back jobs of lost workers."""
@@ -204,8 +244,9 @@ class RedisWorker:
             await asyncio.sleep(min(2.0, self.lease / 3))
             try:
                 await self._register()
-                for stream, entry_id, _ in list(self.running.values()):
-                    await self.redis.xclaim(stream, keys.GROUP, self.name, 0, [entry_id], justid=True)
+                for job in list(self.running.values()):
+                    await self.redis.xclaim(job.stream, keys.GROUP, self.name, 0, [job.entry_id], justid=True)
+                await self._stop_orphans()
                 free = self.concurrency - len(self.running)
                 if free > 0:
                     await self._reclaim(free)
@@ -256,7 +297,7 @@ class RedisWorker:
                     last = entry_id
                     running = self.running.get(fields.get(b"id", b"").decode())
                     if running is not None:
-                        running[2].set()
+                        running.cancel.set()
 
 
 def run_worker(args: Any) -> int:
@@ -286,6 +327,14 @@ def run_worker(args: Any) -> int:
         lease=args.lease,
     )
     print(f"buildvault worker ready: {name} sandbox={kind}", flush=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(worker.serve())
+    asyncio.run(_serve_until_signalled(worker))
     return 0
+
+
+async def _serve_until_signalled(worker: RedisWorker) -> None:
+    serving = asyncio.ensure_future(worker.serve())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, serving.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
