@@ -83,10 +83,15 @@ async def test_a_lost_workers_job_is_taken_back(queue_server, redis, workers):
         messages = asyncio.ensure_future(_all(call))
         running = await wait_until(lambda: queue_server.status()["execution"]["running"], 60, "the job to start")
         victim = by_name[running[0]["worker"]]
+        assert b"sandbox=bwrap" in victim.log.read_bytes()
+        wait_for(lambda: processes_with(f"sleep {marker}"), 30, "the action to run")
         victim.kill()
+        # bwrap's --die-with-parent ends the action with its worker, well before the lease (3 s)
+        # lets the survivor run it again.
+        wait_for(lambda: not processes_with(f"sleep {marker}"), 1.5, "the killed worker's action to end")
         response = final_response(await asyncio.wait_for(messages, 120))
         assert response.status.code == 0 and response.result.exit_code == 0, response
         survivor = next(name for name in by_name if name != victim.name)
         assert response.result.execution_metadata.worker == survivor
         assert queue_server.status()["execution"]["retries"] == 1
-    wait_for(lambda: not processes_with(f"sleep {marker}"), 30, "the killed worker's action to end")
+    wait_for(lambda: not processes_with(f"sleep {marker}"), 30, "the rerun to end")
