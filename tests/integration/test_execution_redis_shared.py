@@ -254,3 +254,37 @@ async def test_a_stopped_worker_kills_its_action_and_another_worker_reruns_the_j
         response = final_response(await asyncio.wait_for(running, 60))
     assert response.status.code == code_pb2.OK and response.result.exit_code == 0, response
     assert response.result.execution_metadata.worker == "second"
+
+
+async def test_list_operations_on_one_server_lists_every_servers_operations(
+    buildvault_server_factory, redis, worker, tmp_path
+):
+    a = buildvault_server_factory("a", extra_args=["--queue", redis.url])
+    b = buildvault_server_factory("b", extra_args=["--queue", redis.url])
+    worker(a)
+    gate = tmp_path / "go"
+    spec = gated(gate, "echo listed", salt=uuid.uuid4().bytes)
+    async with (
+        grpc.aio.insecure_channel(a.grpc_address, options=CLIENT_OPTIONS) as on_a,
+        grpc.aio.insecure_channel(b.grpc_address, options=CLIENT_OPTIONS) as on_b,
+    ):
+        digest = await spec.upload(make_stubs(on_a))
+        call = execution_stub(on_a).Execute(_request(digest))
+        name = (await call.read()).name
+        rest = asyncio.ensure_future(_rest(call))
+        await wait_until(lambda: processes_with(str(gate)), 60, "the job to run on the worker")
+
+        async def listed_on_b() -> dict[str, operations_pb2.Operation]:
+            response = await operations_stub(on_b).ListOperations(operations_pb2.ListOperationsRequest())
+            return {op.name: op for op in response.operations}
+
+        running = (await listed_on_b())[name]
+        metadata = re_pb2.ExecuteOperationMetadata()
+        assert not running.done and running.metadata.Unpack(metadata)
+        assert metadata.stage == re_pb2.ExecutionStage.EXECUTING and metadata.action_digest == digest
+        gate.touch()
+        final = final_response(await asyncio.wait_for(rest, 60))
+        done = (await listed_on_b())[name]
+        response = re_pb2.ExecuteResponse()
+        assert done.done and done.response.Unpack(response)
+        assert response.result == final.result and response.result.exit_code == 0

@@ -30,8 +30,10 @@ from buildvault.execution.operations import (
     Job,
     Operation,
     OperationTable,
+    Stage,
     cancelled_response,
     new_operation_name,
+    operation_message,
 )
 from buildvault.execution.platform import MatchRules, PlatformError, format_properties
 from buildvault.execution.redis_scheduler import RedisScheduler
@@ -235,6 +237,27 @@ class Executor:
     def get(self, name: str) -> Operation | None:
         """An operation this server knows (see `lookup` for every server's)."""
         return self.operations.get(name)
+
+    async def list_operations(self) -> dict[str, operations_pb2.Operation]:
+        """Every operation by name: this server's, and in Redis mode every other server's too (read
+        as they are: listing one does not make it live here)."""
+        listed = {op.name: op.message() for op in self.operations.all()}
+        if self.shared is None:
+            return listed
+        state = self.shared.state
+        for name in await state.operation_names():
+            if name in listed:
+                continue
+            record = await state.load_operation(name)
+            if record is None:
+                continue
+            if record.response is not None:
+                listed[name] = operation_message(name, Stage("COMPLETED"), record.action_digest, record.response)
+                continue
+            job = await state.job_state(record.job_id)
+            if job is not None and (job.response is not None or not job.owner_gone):
+                listed[name] = operation_message(name, job.stage, record.action_digest, job.response)
+        return listed
 
     async def lookup(self, name: str) -> Operation | None:
         """The operation `name`; in Redis mode also one another server created (None: unknown or

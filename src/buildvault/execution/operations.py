@@ -24,6 +24,22 @@ from buildvault.remote_apis import re_pb2
 
 Stage = re_pb2.ExecutionStage.Value
 
+
+def operation_message(
+    name: str, stage: int, action_digest: Digest, response: re_pb2.ExecuteResponse | None
+) -> operations_pb2.Operation:
+    """The google.longrunning.Operation clients see: `done` with the response, else the stage."""
+    metadata = re_pb2.ExecuteOperationMetadata(
+        stage=stage,  # type: ignore[arg-type]
+        action_digest=re_pb2.Digest(hash=action_digest.hash, size_bytes=action_digest.size_bytes),
+    )
+    operation = operations_pb2.Operation(name=name)
+    operation.metadata.Pack(metadata)
+    if response is not None:
+        operation.done = True
+        operation.response.Pack(response)
+    return operation
+
 # How long finished operations stay answerable (WaitExecution, GetOperation).
 KEEP_FINISHED = 300.0
 # A stream repeats the current state at least this often (the issue: at least every 20 s).
@@ -131,17 +147,9 @@ class Operation:
 
     def message(self, stage: int | None = None) -> operations_pb2.Operation:
         """The Operation now; `stage` names an earlier stage this operation went through instead."""
-        response = self.current_response() if stage is None else None
-        metadata = re_pb2.ExecuteOperationMetadata(
-            stage=self.stage() if stage is None else stage,  # type: ignore[arg-type]
-            action_digest=re_pb2.Digest(hash=self.action_digest.hash, size_bytes=self.action_digest.size_bytes),
-        )
-        operation = operations_pb2.Operation(name=self.name)
-        operation.metadata.Pack(metadata)
-        if response is not None:
-            operation.done = True
-            operation.response.Pack(response)
-        return operation
+        if stage is not None:
+            return operation_message(self.name, stage, self.action_digest, None)
+        return operation_message(self.name, self.stage(), self.action_digest, self.current_response())
 
     async def watch(
         self, from_start: bool = False, keepalive: float = KEEPALIVE

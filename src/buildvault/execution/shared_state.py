@@ -218,6 +218,10 @@ class SharedState:
         pipe.hset(keys.OPERATION + name, mapping=fields)
         pipe.expire(keys.OPERATION + name, self.keep_finished if response is not None else JOB_TTL)
 
+    async def operation_names(self) -> list[str]:
+        """Every live operation's name, on every server (a SCAN: for listings, not hot paths)."""
+        return [key.decode()[len(keys.OPERATION) :] async for key in self.redis.scan_iter(keys.OPERATION + "*", 1000)]
+
     async def load_operation(self, name: str) -> OperationRecord | None:
         fields = await self.redis.hgetall(keys.OPERATION + name)
         if not fields:

@@ -41,17 +41,15 @@ class OperationsService:
     ) -> operations_pb2.ListOperationsResponse:
         if request.filter:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "ListOperations filters are not supported")
-        names = sorted(op.name for op in self.executor.operations.all())
+        operations = await self.executor.list_operations()
+        names = sorted(operations)
         start = 0
         if request.page_token:
             start = next((i for i, name in enumerate(names) if name > request.page_token), len(names))
         size = min(request.page_size or MAX_PAGE, MAX_PAGE)
         page = names[start : start + size]
         response = operations_pb2.ListOperationsResponse()
-        for name in page:
-            operation = self.executor.get(name)
-            if operation is not None:
-                response.operations.append(operation.message())
+        response.operations.extend(operations[name] for name in page)
         if start + size < len(names):
             response.next_page_token = page[-1]
         return response
