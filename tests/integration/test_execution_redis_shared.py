@@ -288,3 +288,29 @@ async def test_list_operations_on_one_server_lists_every_servers_operations(
         response = re_pb2.ExecuteResponse()
         assert done.done and done.response.Unpack(response)
         assert response.result == final.result and response.result.exit_code == 0
+
+
+async def test_a_cancel_through_another_server_ends_the_operation_where_it_was_executed(
+    buildvault_server_factory, redis, worker, tmp_path
+):
+    a = buildvault_server_factory("a", extra_args=["--queue", redis.url])
+    b = buildvault_server_factory("b", extra_args=["--queue", redis.url])
+    worker(a)
+    gate = tmp_path / "never"
+    spec = gated(gate, "true", salt=uuid.uuid4().bytes)
+    async with (
+        grpc.aio.insecure_channel(a.grpc_address, options=CLIENT_OPTIONS) as on_a,
+        grpc.aio.insecure_channel(b.grpc_address, options=CLIENT_OPTIONS) as on_b,
+    ):
+        digest = await spec.upload(make_stubs(on_a))
+        call = execution_stub(on_a).Execute(_request(digest))
+        name = (await call.read()).name
+        rest = asyncio.ensure_future(_rest(call))
+        await wait_until(lambda: processes_with(str(gate)), 60, "the job to run on the worker")
+        await operations_stub(on_b).CancelOperation(operations_pb2.CancelOperationRequest(name=name))
+        # The client still watching on A sees its operation end CANCELLED, and the action stops.
+        response = final_response(await asyncio.wait_for(rest, 30))
+        assert response.status.code == code_pb2.CANCELLED, response
+        await wait_until(lambda: not processes_with(str(gate)), 30, "the worker to kill the cancelled action")
+        on_a_now = await operations_stub(on_a).GetOperation(operations_pb2.GetOperationRequest(name=name))
+        assert on_a_now.done

@@ -85,6 +85,7 @@ class Executor:
         if queue_url:
             self.scheduler = RedisScheduler(queue_url, config.rules, self._finished)
             self.shared = SharedJobs(SharedState(self.scheduler.redis, KEEP_FINISHED), self.scheduler.server_id)
+            self.shared.on_cancelled = self._cancelled_elsewhere
         else:
             self.scheduler = Scheduler(workers, config.rules, self._finished)
         self._in_flight: dict[tuple[str, str], Job] = {}
@@ -354,9 +355,9 @@ class Executor:
         else:
             await self.scheduler.cancel_elsewhere(job.id)
 
-    async def cancel(self, name: str) -> bool:
+    async def cancel(self, name: str, announce: bool = True) -> bool:
         """Cancel one operation (False: unknown name). Its job stops when no live operation is left
-        (in Redis mode: on any server)."""
+        (in Redis mode: on any server, and every server's copy of the operation ends CANCELLED)."""
         operation = await self.lookup(name)
         if operation is None:
             return False
@@ -367,6 +368,8 @@ class Executor:
         job = operation.job
         if self.shared is not None:
             await self.shared.state.save_operation(name, operation.action_digest, "", operation.response)
+            if announce:
+                await self.shared.state.announce_cancel(name)
         if job is not None:
             job.notify()
             message = "every operation waiting for this job was cancelled"
@@ -377,6 +380,12 @@ class Executor:
             elif not job.live_operations():
                 await self.scheduler.cancel(job, message)
         return True
+
+    async def _cancelled_elsewhere(self, name: str) -> None:
+        """A client cancelled operation `name` through another server: this server's copy ends too."""
+        operation = self.operations.get(name)
+        if operation is not None and not operation.done:
+            await self.cancel(name, announce=False)
 
     async def close(self) -> None:
         self._closing.set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
@@ -44,6 +45,8 @@ class SharedJobs:
         self._copies: dict[str, Job] = {}  # queued elsewhere, not done yet
         self._outbox: asyncio.Queue[tuple[Job, JobState]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        # Called with the name of an operation a client cancelled through any server.
+        self.on_cancelled: Callable[[str], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         last = await self.state.last_event()
@@ -138,11 +141,14 @@ class SharedJobs:
         refreshed = loop.time()
         while True:
             try:
-                last, events = await self.state.read_events(last, block_ms=BLOCK_MS)
+                last, events, cancelled = await self.state.read_events(last, block_ms=BLOCK_MS)
                 for job_id, state in events:
                     job = self._copies.get(job_id)
                     if job is not None:
                         self._apply(job, state)
+                for name in cancelled:
+                    if self.on_cancelled is not None:
+                        await self.on_cancelled(name)
                 if loop.time() - refreshed >= REFRESH:
                     refreshed = loop.time()
                     await self._refresh()

@@ -185,15 +185,26 @@ class SharedState:
     async def is_cancelled(self, job_id: str) -> bool:
         return bool(await self.redis.hget(keys.JOB + job_id, "cancelled") == b"1")
 
-    async def read_events(self, last: str, block_ms: int) -> tuple[str, list[tuple[str, JobState]]]:
-        """Job changes after entry `last` ("$": from now), waiting up to `block_ms` for the first."""
+    async def read_events(
+        self, last: str, block_ms: int
+    ) -> tuple[str, list[tuple[str, JobState]], list[str]]:
+        """Job changes and cancelled operation names after entry `last` ("$": from now), waiting up
+        to `block_ms` for the first."""
         answer = await self.redis.xread({keys.EVENTS: last}, block=block_ms, count=500)
         events = []
+        cancelled = []
         for _, entries in answer or []:
             for entry_id, fields in entries:
                 last = entry_id.decode()
-                events.append((fields[b"id"].decode(), JobState.from_fields(fields)))
-        return last, events
+                if b"cancel" in fields:
+                    cancelled.append(fields[b"cancel"].decode())
+                else:
+                    events.append((fields[b"id"].decode(), JobState.from_fields(fields)))
+        return last, events, cancelled
+
+    async def announce_cancel(self, name: str) -> None:
+        """Tell every server that operation `name` was cancelled (its own server ends its streams)."""
+        await self.redis.xadd(keys.EVENTS, {"cancel": name}, maxlen=EVENTS_MAXLEN, approximate=True)
 
     async def last_event(self) -> str:
         """The id of the newest event (where a reader that must miss nothing starts)."""
