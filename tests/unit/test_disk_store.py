@@ -10,6 +10,7 @@ import gc
 import os
 import random
 import threading
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -566,4 +567,36 @@ async def test_cancelling_small_writes_in_a_coalesced_trip_keeps_everything_cons
         assert await read_all(storage, Digest.of(data)) == data
     assert storage.reserved_bytes == 0 and storage.stats().used_bytes == sum(map(len, blobs))
     assert os.listdir(storage.root / "tmp") == []
+    assert_consistent(storage)
+
+
+async def test_a_cancelled_write_holds_none_of_its_batches(storage: DiskStorage) -> None:
+    """A cancelled upload's traceback keeps the writer's frames, and an abandoned upload's objects
+    form a cycle the collector may reach late: until then, none of its batches may stay alive."""
+    data = os.urandom(4 * WRITE_BATCH)
+    digest = Digest.of(data)
+    tasks = []
+    tracemalloc.start()
+    try:
+        for _ in range(8):
+            fed = asyncio.Event()
+
+            async def half(fed: asyncio.Event = fed) -> AsyncIterator[bytes]:
+                for start in range(0, 2 * WRITE_BATCH + WRITE_BATCH // 2, 64 * 1024):
+                    yield data[start : start + 64 * 1024]
+                fed.set()
+                await asyncio.Event().wait()  # the client went quiet
+
+            task = asyncio.ensure_future(storage.cas.write(digest, half()))
+            await asyncio.wait_for(fed.wait(), 30)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            tasks.append(task)  # kept, as a cancelled upload's task is kept by its cycle
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert all(task.cancelled() for task in tasks)
+    # Each write had received 2.5 batches; before the fix about 2 of them stayed per write.
+    assert held < 2 * WRITE_BATCH, f"{held} bytes still held by 8 cancelled writes"
     assert_consistent(storage)

@@ -265,6 +265,10 @@ class Writer:
             return temp.path
         except BaseException:
             await self.core.settle(executor.submit(temp.abort, pending, hashed, written))
+            # The traceback keeps this frame, and an abandoned upload's objects form a cycle that
+            # may wait long for the garbage collector: hold none of its batches (about 1 MiB each).
+            pending = hashed = written = None
+            parts, data = [], b""
             raise
 
     async def _publish(self, key: bytes, temp: str, reservation: Reservation, *, replace: bool) -> None:
