@@ -606,6 +606,7 @@ def make_batch(concurrency: int, write: bool) -> Scenario:
                 await timing.op(client.batch_read(requests[index], expected))
 
             timing.seconds = await run_workers(concurrency, calls, op)
+            state[slot] = blobs  # a measured run after a --warmup run reads the same, stored blobs
         blobs_total = calls * per_call
         result = Result(
             name, "blobs/s", blobs_total / timing.seconds, ops=calls, bytes=blobs_total * plan.batch_blob_size
@@ -945,6 +946,10 @@ async def main_async(args: argparse.Namespace) -> int:
             if sampler is not None:
                 sampler.sample()
             try:
+                if args.warmup:  # an untimed run first: the blobs stored, the server's caches warm
+                    await asyncio.wait_for(scenario.run(client, plan, state), timeout=args.scenario_timeout)
+                if args.wait_journal:
+                    await wait_journal_drained(args.wait_journal, args.scenario_timeout)
                 result = await asyncio.wait_for(scenario.run(client, plan, state), timeout=args.scenario_timeout)
             except (Exception, BaseExceptionGroup) as exc:
                 result = Result(scenario.name, "", ok=False, error=describe(exc))
@@ -1001,6 +1006,24 @@ async def main_async(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+async def wait_journal_drained(metrics_url: str, timeout: float) -> None:
+    """Until buildvault's /metrics shows an empty upload journal (its bucket uploads are done)."""
+    import urllib.request
+
+    def backlog() -> float:
+        with urllib.request.urlopen(metrics_url, timeout=10) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("buildvault_upload_journal_backlog "):
+                    return float(line.split()[1])
+        raise RuntimeError(f"{metrics_url} has no buildvault_upload_journal_backlog")
+
+    deadline = time.monotonic() + timeout
+    while await asyncio.to_thread(backlog) > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the upload journal did not drain in {timeout:.0f} s")
+        await asyncio.sleep(0.2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.harness",
@@ -1023,6 +1046,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rpc-timeout", type=float, default=300.0, help="deadline of each RPC, seconds")
     parser.add_argument("--scenario-timeout", type=float, default=600.0, help="give up on a scenario after, seconds")
     parser.add_argument("--seed", type=int, help="seed the scenario shapes (blob bytes stay random)")
+    parser.add_argument("--warmup", action="store_true", help="run each scenario once untimed before measuring it")
+    parser.add_argument(
+        "--wait-journal", metavar="METRICS_URL",
+        help="before each measured run, wait until buildvault's /metrics at this URL shows an empty upload journal",
+    )  # fmt: skip
     return parser.parse_args(argv)
 
 

@@ -113,7 +113,9 @@ S3_ENV = {
 }  # fmt: skip
 
 
-def start_buildvault_on_bucket(data_dir: Path, log_path: Path, timeout: float = 60.0) -> Server:
+def start_buildvault_on_bucket(
+    data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0
+) -> Server:
     """buildvault with the object-store tier on: `moto_server` (the S3 test server) on loopback,
     one fresh bucket, and `start_buildvault` pointed at it. stop() ends both."""
     import boto3  # the benchmark venv has the test extras
@@ -138,7 +140,8 @@ def start_buildvault_on_bucket(data_dir: Path, log_path: Path, timeout: float = 
     os.environ.update(S3_ENV)  # inherited by the server: the standard credential chain finds them
     try:
         server = start_buildvault(
-            data_dir, log_path, ["--s3-endpoint", endpoint, "--s3-bucket", "bench", "--s3-region", "us-east-1"],
+            data_dir, log_path,
+            ["--s3-endpoint", endpoint, "--s3-bucket", "bench", "--s3-region", "us-east-1", *(extra or [])],
             timeout=timeout,
         )
     except BaseException:

@@ -50,6 +50,26 @@ class PresenceIndex:
         self._entries.move_to_end(key)
         return value > 0
 
+    def get_many(self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]) -> list[bool | None]:
+        """`get` of each digest, without building Digest objects (FindMissingBlobs' hot path)."""
+        entries = self._entries
+        now = time.monotonic()
+        wire = bytes((function.wire,))
+        fromhex = bytes.fromhex
+        states: list[bool | None] = []
+        for hash_, size in zip(hashes, sizes, strict=True):
+            key = fromhex(hash_) + wire + size.to_bytes(8, "big")
+            value = entries.get(key)
+            if value is not None and abs(value) <= now:
+                del entries[key]
+                value = None
+            if value is None:
+                states.append(None)
+            else:
+                entries.move_to_end(key)
+                states.append(value > 0)
+        return states
+
     def set(self, digest: Digest, present: bool) -> None:
         key = self._key(digest)
         now = time.monotonic()
@@ -85,16 +105,21 @@ class ExistenceCache(ForwardingBlobStore):
     async def find_missing_indices(
         self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
     ) -> list[int]:
-        digests = [Digest(h, s, function) for h, s in zip(hashes, sizes, strict=True)]
-        unknown = list(dict.fromkeys(d for d in digests if self.index.get(d) is None))
-        if unknown:
-            await self._check(unknown)
-        seen: set[Digest] = set()
+        states = self.index.get_many(function, hashes, sizes)
+        unknown_at = [i for i, state in enumerate(states) if state is None]
+        if unknown_at:
+            await self._check(list(dict.fromkeys(Digest(hashes[i], sizes[i], function) for i in unknown_at)))
+            learnt = self.index.get_many(function, [hashes[i] for i in unknown_at], [sizes[i] for i in unknown_at])
+            for i, state in zip(unknown_at, learnt, strict=True):
+                states[i] = state
+        seen: set[tuple[str, int]] = set()
         out: list[int] = []
-        for i, digest in enumerate(digests):
-            if digest not in seen and self.index.get(digest) is not True:
-                out.append(i)
-            seen.add(digest)
+        for i, state in enumerate(states):
+            if state is not True:
+                key = (hashes[i], sizes[i])
+                if key not in seen:  # a digest asked twice is reported once, at its first index
+                    seen.add(key)
+                    out.append(i)
         return out
 
     async def _check(self, digests: list[Digest]) -> None:
