@@ -1,31 +1,34 @@
 """Speed of the admin commands (issue 14). Prints JSON.
 
-    .venv/bin/python bench/ops_bench.py [--verify-mib 1024] [--gc-objects 100000]
+    .venv/bin/python bench/ops_bench.py [--verify-mib 1024] [--gc-objects 100000] [--gc-real-run]
 
 verify: data directories of 4 MiB blobs and of 4 KiB blobs written straight into the disk
 layout (in the page cache, as on a live server), then `verify` re-hashes each, twice (the first
 run shares the disk with the kernel's writeback of the seeding); MB/s is blob bytes over the
-whole run (listing, open, read, hash). `--gc-objects 0` skips gc. gc: the in-process S3 test
-server (moto) seeded with `--gc-objects` objects (1 in 12 an ActionResult naming 5 blobs, half
-of the blobs unreferenced), then a dry-run gc lists and decides them all; the listing and the
-reading of the entries are timed apart.
+whole run (listing, open, read, hash). `--gc-objects 0` skips gc. gc: the S3 test server
+(moto) in a process of its own (bench/moto_seeded.py: `--gc-objects` objects, 1 in 12 an
+ActionResult naming 5 blobs, about half of the blobs unreferenced), then a dry-run gc lists and
+decides them all (with `--gc-real-run` a real gc follows, deleting the unreferenced half); the
+listing and the reading of the entries are timed apart, and the CPU seconds moto and gc spent
+are measured apart (the machine's cores are shared: see the load averages).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
-import logging
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import moto_seeded
+
 from buildvault.admin import gc, verify
 from buildvault.config import Settings
-from buildvault.remote_apis import re_pb2
 
 
 def _write_blob(root: Path, data: bytes) -> None:
@@ -61,60 +64,75 @@ def bench_verify(mib: int) -> dict[str, object]:
     }
 
 
-def bench_gc(objects: int) -> dict[str, object]:
-    from moto.core.models import DEFAULT_ACCOUNT_ID
-    from moto.s3.models import s3_backends
-    from moto.server import ThreadedMotoServer
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+
+def _own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def _gc_run(settings: Settings, moto_pid: int, dry_run: bool) -> dict[str, object]:
+    moto_before, ours_before = _cpu_seconds(moto_pid), _own_cpu_seconds()
+    plan = gc.collect(settings, max_age=30 * 86400, max_size=None, grace=3600, dry_run=dry_run, show_progress=False)
+    return {
+        "objects": plan.objects,
+        "list_seconds": round(plan.list_seconds, 2),
+        "read_seconds": round(plan.read_seconds, 2),
+        "decide_seconds": round(plan.decide_seconds, 2),
+        "seconds": round(plan.seconds, 2),
+        "blobs_removed": len(plan.blobs_removed),
+        "deleted": plan.deleted,
+        "moto_cpu_seconds": round(_cpu_seconds(moto_pid) - moto_before, 1),
+        "gc_cpu_seconds": round(_own_cpu_seconds() - ours_before, 1),
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def bench_gc(objects: int, real_run: bool) -> dict[str, object]:
+    """gc against moto in a process of its own (bench/moto_seeded.py), as an S3 server would be."""
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
-        backend.create_bucket("bench", "us-east-1")
-        old = datetime.datetime.now(datetime.UTC).replace(tzinfo=None) - datetime.timedelta(days=3)
-        entries = objects // 12
-        made = 0
-        for e in range(entries):
-            digests = []
-            for b in range(5):
-                data = f"blob {e} {b}".encode()
-                digest = re_pb2.Digest(hash=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
-                backend.put_object("bench", f"cas/sha256/{digest.hash}", data).last_modified = old
-                digests.append(digest)
-            result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="o", digest=d) for d in digests])
-            key = f"ac/ac/sha256/{hashlib.sha256(str(e).encode()).hexdigest()}"
-            backend.put_object("bench", key, result.SerializeToString()).last_modified = old
-            made += 6
-        for i in range(objects - made):
-            data = f"loose {i}".encode()
-            backend.put_object("bench", f"cas/sha256/{hashlib.sha256(data).hexdigest()}", data).last_modified = old
-        settings = Settings(s3_endpoint=endpoint, s3_bucket="bench", s3_region="us-east-1")
-        plan = gc.collect(settings, max_age=30 * 86400, max_size=None, grace=3600, dry_run=True, show_progress=False)
-        return {
-            "objects": plan.objects,
-            "action_entries_read": entries,
-            "list_seconds": round(plan.list_seconds, 2),
-            "read_seconds": round(plan.read_seconds, 2),
-            "decide_seconds": round(plan.decide_seconds, 2),
-            "would_delete": len(plan.blobs_removed),
-        }
-    finally:
-        server.stop()
+    command = [sys.executable, str(Path(__file__).with_name("moto_seeded.py")), "--objects", str(objects)]
+    seeding = time.perf_counter()
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True) as moto:
+        try:
+            assert moto.stdout is not None
+            endpoint = moto.stdout.readline().decode().strip()
+            if not endpoint.startswith("http://"):
+                raise RuntimeError(f"moto_seeded.py did not start (exit {moto.poll()})")
+            report: dict[str, object] = {
+                "objects": objects,
+                "action_entries_read": moto_seeded.entry_count(objects),
+                "seed_seconds": round(time.perf_counter() - seeding, 1),
+                "load_average_before": [round(x, 2) for x in os.getloadavg()],
+            }
+            settings = Settings(s3_endpoint=endpoint, s3_bucket="bench", s3_region="us-east-1")
+            report["dry_run"] = _gc_run(settings, moto.pid, dry_run=True)
+            if real_run:
+                report["real_run"] = _gc_run(settings, moto.pid, dry_run=False)
+            return report
+        finally:
+            assert moto.stdin is not None
+            moto.stdin.close()  # moto_seeded.py stops when its stdin closes
+            try:
+                moto.wait(30)
+            except subprocess.TimeoutExpired:
+                moto.kill()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--verify-mib", type=int, default=1024)
     parser.add_argument("--gc-objects", type=int, default=100_000)
+    parser.add_argument("--gc-real-run", action="store_true", help="after the dry run, a real gc on the same bucket")
     args = parser.parse_args()
     started = time.time()
     report: dict[str, object] = {"verify": bench_verify(args.verify_mib)}
     if args.gc_objects:
-        report["gc"] = bench_gc(args.gc_objects)
+        report["gc"] = bench_gc(args.gc_objects, args.gc_real_run)
     report["load_average"] = os.getloadavg()
     report["wall_seconds"] = round(time.time() - started, 1)
     print(json.dumps(report, indent=2))

@@ -306,6 +306,62 @@ def test_build_beside_gc_gets_only_complete_hits(
     assert hits > 0
 
 
+# Keys outside the layout's shards (other digest functions, instances, kinds, no layout) and at their edges.
+ODD_KEYS = [
+    "a", "ac0", "ac/raw/sha256/" + "1" * 64, "ac/ac/team-a/sha256/" + "2" * 64, "ac/ac/sha256/zz",
+    "cas/blake3/" + "3" * 64, "cas/sha256/", "cas/sha256/G" + "0" * 63, "cas/sha256/:", "cas/sha256/9~x",
+    "cas/sha256/9\u00ff", "cas/sha256/g", "cas/sha256/a", "cas0", "zzz", "\u00e9/\u00fc", "\U0001f600",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix", ["", "team/"])
+def test_split_listing_sees_every_object_exactly_once(
+    s3_endpoint: str, bucket: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from buildvault.admin import bucket as bucket_module
+    from buildvault.config import Settings
+
+    monkeypatch.setattr(bucket_module, "PAGE", 7)  # many pages per shard
+    s = Seeder(bucket)
+    for i in range(400):
+        digest = hashlib.sha256(str(i).encode()).hexdigest()
+        s.put(f"{prefix}cas/sha256/{digest}", b"b", DAY)
+        if i % 4 == 0:
+            s.put(f"{prefix}ac/ac/sha256/{digest}", b"e", DAY)
+    for key in ODD_KEYS:
+        s.put(prefix + key, b"odd", DAY)
+    s.put("elsewhere/cas/sha256/" + "4" * 64, b"not under the prefix", DAY)
+    every = bucket_keys(s3_endpoint, bucket)  # one plain listing (botocore's paginator)
+    settings = Settings(s3_endpoint=s3_endpoint, s3_bucket=bucket, s3_region=REGION, s3_prefix=prefix)
+    store = gc.Bucket(settings)
+    with ThreadPoolExecutor(8) as pool:
+        for under in ("", "ac/"):
+            split = [o.key for objects in store.objects_split(under, pool) for o in objects]
+            assert len(split) == len(set(split))
+            assert set(split) == {k for k in every if k.startswith(prefix + under)}
+
+
+def test_gc_handles_keys_outside_the_layout(s3_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Blobs of another digest function and odd keys are listed (and counted) like any; only
+    `cas/` blobs and `ac/` entries are gc's to delete."""
+    s = Seeder(bucket)
+    blake3 = s.put("cas/blake3/" + "5" * 64, b"old unreferenced", 40 * DAY)
+    instance_blobs = [s.blob(40 * DAY) for _ in range(2)]
+    instance_entry = s.put(
+        "ac/ac/team-a/sha256/" + "6" * 64,
+        re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="o", digest=d) for _, d in instance_blobs])
+        .SerializeToString(),
+        1 * DAY,
+    )
+    other = s.put("zzz/not-a-cache-key", b"left alone", 40 * DAY)
+    code, plan = _gc(s3_endpoint, bucket, "--max-age", "30d", capsys=capsys)
+    assert code == 0 and plan["objects"] == 4 and plan["blobs_removed"] == 1, plan
+    assert bucket_keys(s3_endpoint, bucket) == {instance_entry, other, *(k for k, _ in instance_blobs)}
+    assert blake3 not in bucket_keys(s3_endpoint, bucket)
+
+
 def test_gc_bad_bucket_and_bad_input_change_nothing(
     s3_endpoint: str,
     bucket: str,
