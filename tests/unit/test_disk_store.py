@@ -18,6 +18,8 @@ from disk_helpers import (
     assert_consistent,
     blob_path,
     chunked,
+    either_layout,
+    files_only,
     files_under,
     fill,
     fill_one,
@@ -35,6 +37,10 @@ from buildvault.storage import (
 )
 from buildvault.storage.disk import SMALL_OP, WRITE_BATCH, DiskStorage, accache, fileops
 
+# Tests that work on files directly (remove, damage, count them) run with the file layout
+# (files_only); the others with both layouts (either_layout). test_disk_records.py covers records.
+__all__ = ["either_layout", "files_only"]  # fixtures
+
 
 @pytest.fixture
 async def storage(tmp_path: Path) -> AsyncIterator[DiskStorage]:
@@ -46,6 +52,7 @@ async def storage(tmp_path: Path) -> AsyncIterator[DiskStorage]:
 # -- layout and atomic publishing ----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_layout_is_sharded_by_function_and_hash(storage: DiskStorage) -> None:
     data = b"layout"
     for function in DigestFunction:
@@ -55,6 +62,7 @@ async def test_layout_is_sharded_by_function_and_hash(storage: DiskStorage) -> N
         assert storage.path_of(digest) == str(blob_path(storage.root, digest))
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_publish_is_atomic(storage: DiskStorage) -> None:
     data = os.urandom(2 * WRITE_BATCH + 100)
     digest = Digest.of(data)
@@ -85,6 +93,7 @@ async def test_publish_is_atomic(storage: DiskStorage) -> None:
     assert list(tmp.iterdir()) == []
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_concurrent_writers_leave_one_file_and_no_temp(storage: DiskStorage) -> None:
     data = os.urandom(3 * WRITE_BATCH + 1)
     digest = Digest.of(data)
@@ -95,6 +104,7 @@ async def test_concurrent_writers_leave_one_file_and_no_temp(storage: DiskStorag
     assert storage.stats().blob_count == 1
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_existing_blob_is_not_read_again(storage: DiskStorage) -> None:
     data = b"already here"
     digest = Digest.of(data)
@@ -108,6 +118,7 @@ async def test_existing_blob_is_not_read_again(storage: DiskStorage) -> None:
     assert await read_all(storage, digest) == data
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_a_damaged_or_vanished_blob_becomes_not_found(storage: DiskStorage) -> None:
     truncated, deleted = await fill(storage, 2, 1000)
     with open(blob_path(storage.root, truncated), "r+b") as f:
@@ -123,6 +134,7 @@ async def test_a_damaged_or_vanished_blob_becomes_not_found(storage: DiskStorage
     assert await read_all(storage, truncated) == (0).to_bytes(4, "big") * 250
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_batch_reads_find_damaged_and_vanished_files(storage: DiskStorage) -> None:
     good, longer, shorter, gone = [await fill_one(storage, bytes([n]) * 300) for n in range(4)]
     blob_path(storage.root, longer).write_bytes(bytes(301))
@@ -139,6 +151,7 @@ async def test_batch_reads_find_damaged_and_vanished_files(storage: DiskStorage)
 # -- LRU and space -------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_lru_evicts_least_recently_used_first(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     digests = await fill(storage, 10, 100)
@@ -166,6 +179,7 @@ async def test_lru_evicts_least_recently_used_first(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_blob_larger_than_the_store_is_refused_before_reading(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     kept = await fill(storage, 5, 100)
@@ -188,6 +202,7 @@ async def test_blob_larger_than_the_store_is_refused_before_reading(tmp_path: Pa
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_space_held_by_writes_in_progress_is_not_promised_twice(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     first = b"a" * 800
@@ -210,6 +225,7 @@ async def test_space_held_by_writes_in_progress_is_not_promised_twice(tmp_path: 
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_total_stays_under_max_with_concurrent_writers_and_readers(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 20_000, hold_seconds=0)
     rng = random.Random(7)
@@ -238,6 +254,7 @@ async def test_total_stays_under_max_with_concurrent_writers_and_readers(tmp_pat
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_reader_survives_eviction(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 4 * CHUNK_SIZE, hold_seconds=0)
     data = os.urandom(3 * CHUNK_SIZE + 5)
@@ -257,10 +274,12 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_readers_close_their_fds(storage: DiskStorage) -> None:
     data = os.urandom(4 * CHUNK_SIZE)
     digest = Digest.of(data)
     await storage.cas.write(digest, chunked(data, CHUNK_SIZE))
+    gc.collect()  # a store an earlier test left open would close its fds (LMDB's) at some later collection
     baseline = open_fds()
     assert await read_all(storage, digest) == data
     assert open_fds() == baseline
@@ -276,6 +295,7 @@ async def test_readers_close_their_fds(storage: DiskStorage) -> None:
     await wait_until(lambda: open_fds() == baseline, 10, "the dropped reader's fd to be closed")
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_enospc_becomes_storage_full_and_leaves_nothing(
     storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -302,6 +322,7 @@ async def test_enospc_becomes_storage_full_and_leaves_nothing(
 # -- keys kept apart -----------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_sha256_and_blake3_with_the_same_hex_are_different_blobs(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     sha_data = b"the sha256 blob"
@@ -329,6 +350,7 @@ async def test_sha256_and_blake3_with_the_same_hex_are_different_blobs(tmp_path:
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_action_namespaces_are_kept_apart(storage: DiskStorage) -> None:
     digest = Digest.of(b"an action")
     namespaces = [
@@ -355,6 +377,7 @@ async def test_action_namespaces_are_kept_apart(storage: DiskStorage) -> None:
             await storage.ac.put(bad, digest, b"x")
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_action_entries_are_replaced_and_survive_restart(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     digest = Digest.of(b"action")
@@ -374,6 +397,7 @@ async def test_action_entries_are_replaced_and_survive_restart(tmp_path: Path) -
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_action_entries_share_the_cap_and_lru(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     action = Digest.of(b"action")
@@ -388,6 +412,7 @@ async def test_action_entries_share_the_cap_and_lru(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_action_entries_are_served_from_memory_and_stay_current(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -418,6 +443,7 @@ async def test_action_entries_are_served_from_memory_and_stay_current(
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_the_action_cache_in_memory_is_bounded(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(accache, "AC_CACHE_BYTES", 64 * 100)
     for n in range(200):
@@ -431,6 +457,7 @@ async def test_the_action_cache_in_memory_is_bounded(storage: DiskStorage, monke
 # -- not blocking the loop ------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_small_chunks_are_batched_into_few_thread_hops(storage: DiskStorage) -> None:
     data = os.urandom(16 * WRITE_BATCH)
     digest = Digest.of(data)
@@ -442,6 +469,7 @@ async def test_small_chunks_are_batched_into_few_thread_hops(storage: DiskStorag
     assert 0 < storage.pool_trips - before <= 16 + 1
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_small_operations_of_one_loop_iteration_share_one_trip(storage: DiskStorage) -> None:
     blobs = [os.urandom(100 + n) for n in range(50)]
     before = storage.pool_trips
@@ -452,6 +480,7 @@ async def test_small_operations_of_one_loop_iteration_share_one_trip(storage: Di
     assert storage.pool_trips - before == 1
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_find_missing_makes_no_syscalls(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
     digests = await fill(storage, 3, 10)
     absent = Digest.of(b"absent")
@@ -469,6 +498,7 @@ async def test_find_missing_makes_no_syscalls(storage: DiskStorage, monkeypatch:
     assert storage.pool_trips == trips
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_stats(tmp_path: Path) -> None:
     clock = [1_000_000.0]
     storage = await DiskStorage.open(tmp_path, 1 << 30, clock=lambda: clock[0])
@@ -488,6 +518,7 @@ async def test_stats(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_find_missing_indices_matches_find_missing(storage: DiskStorage) -> None:
     stored = await fill(storage, 4, 40)
     absent = [Digest.of(b"absent %d" % n) for n in range(3)]
@@ -504,6 +535,7 @@ async def test_find_missing_indices_matches_find_missing(storage: DiskStorage) -
 # -- cancellation ----------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_cancelling_around_a_slow_publish_keeps_everything_consistent(
     storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -538,6 +570,7 @@ async def test_cancelling_around_a_slow_publish_keeps_everything_consistent(
     assert_consistent(storage)
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_cancelling_small_writes_in_a_coalesced_trip_keeps_everything_consistent(
     storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:

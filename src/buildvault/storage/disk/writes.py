@@ -1,10 +1,12 @@
 """The write path of CAS blobs and action entries: reserve, receive, verify, publish.
 
-Entries up to SMALL_OP bytes are gathered in memory and verified, written and renamed in one
-coalesced operation; larger ones stream into a temp file in WRITE_BATCH batches, one batch hashed
-while the previous one is written. Either way a blob becomes visible only once verified, by one
-atomic rename, and a failed or cancelled write leaves nothing behind. Once the rename is under
-way it completes and is indexed even if the caller is cancelled.
+Entries up to the record limit are records (records.py): verified and committed in one coalesced
+operation, a whole batch in one LMDB transaction. Others up to SMALL_OP bytes are gathered in
+memory and verified, written and renamed in one coalesced operation; larger ones stream into a
+temp file in WRITE_BATCH batches, one batch hashed while the previous one is written. Either way
+a blob becomes visible only once verified, by one commit or one atomic rename, and a failed or
+cancelled write leaves nothing behind. Once the commit or rename is under way it completes and
+is indexed even if the caller is cancelled.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from typing import Any
 
 from buildvault.digest import Digest, InvalidDigest, new_hasher
 from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, StorageFull, single_chunk
-from buildvault.storage.disk import fileops, healing
+from buildvault.storage.disk import fileops, healing, records
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.index import Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key
+from buildvault.storage.disk.records import held
 
 log = logging.getLogger("buildvault.storage.disk")
 
@@ -75,7 +78,10 @@ class Writer:
         publishing = core.publishing
         outcomes: list[Exception | None] = [None] * len(items)
         batch: list[tuple[str, str, bytes, Digest | None]] = []
-        claimed: list[tuple[int, bytes, Reservation, asyncio.Future[None]]] = []
+        claimed: list[_Claim] = []
+        record_batch: list[records.PutItem] = []
+        record_claimed: list[_Claim] = []
+        limit = index.limit
         others: list[int] = []
         contended: set[int] = set()
         loop = asyncio.get_running_loop()
@@ -94,34 +100,31 @@ class Writer:
                 contended.add(i)  # e.g. the same blob twice in one batch: these bytes get checked too
                 others.append(i)
                 continue
-            if len(data) != size or size > SMALL_OP or index.used + index.reserved + size > index.max_size:
+            record = size <= limit and held(limit, key, size)
+            cost = records.charge(key, size) if record else size
+            if len(data) != size or size > SMALL_OP or index.used + index.reserved + cost > index.max_size:
                 others.append(i)
                 continue
-            reservation = Reservation(index, size)
+            reservation = Reservation(index, cost)
             done: asyncio.Future[None] = loop.create_future()
             publishing[key] = done
-            batch.append((tmp_dir, path(key), bytes(data), digest))
-            claimed.append((i, key, reservation, done))
+            if record:
+                record_batch.append((key, bytes(data), digest))
+                record_claimed.append((i, key, size, reservation, done))
+            else:
+                batch.append((tmp_dir, path(key), bytes(data), digest))
+                claimed.append((i, key, size, reservation, done))
+        futures = []
+        if record_batch:
+            nbytes = sum(len(item[1]) for item in record_batch)
+            future = core.ops.submit(records.put_many, (core.records, record_batch), nbytes)
+            futures.append(self._settle_group(future, record_claimed, outcomes))
         if batch:
             future = core.ops.submit(fileops.write_many, (batch,), sum(len(item[2]) for item in batch))
-
-            def finished(future: asyncio.Future[list[Exception | None]]) -> None:
-                results = None if future.cancelled() else (future.exception() or future.result())
-                for n, (i, key, reservation, done) in enumerate(claimed):
-                    error = results if isinstance(results, BaseException) else None if results is None else results[n]
-                    try:
-                        if results is not None and error is None:
-                            index.indexed(key, reservation)
-                        else:
-                            outcomes[i] = error if isinstance(error, Exception) else StorageError("write abandoned")
-                    finally:
-                        reservation.release()
-                        del publishing[key]
-                        done.set_result(None)
-
-            future.add_done_callback(finished)
-            await asyncio.shield(future)
-            for i, *_rest in claimed:
+            futures.append(self._settle_group(future, claimed, outcomes))
+        if futures:
+            await asyncio.shield(asyncio.gather(*futures, return_exceptions=True))
+            for i, *_rest in [*record_claimed, *claimed]:
                 error = outcomes[i]
                 if isinstance(error, OSError):
                     outcomes[i] = fileops.storage_error(error, f"writing {items[i][0]}")
@@ -140,6 +143,31 @@ class Writer:
             for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others)), strict=True):
                 outcomes[i] = outcome
         return outcomes
+
+    def _settle_group(
+        self, future: asyncio.Future[list[Exception | None]], claimed: list[_Claim], outcomes: list[Exception | None]
+    ) -> asyncio.Future[list[Exception | None]]:
+        """When one coalesced write of several entries is done: index each written one, record the
+        others' errors in `outcomes`, release the claims (runs even if the caller is cancelled)."""
+        index = self.core.index
+        publishing = self.core.publishing
+
+        def finished(future: asyncio.Future[list[Exception | None]]) -> None:
+            results = None if future.cancelled() else (future.exception() or future.result())
+            for n, (i, key, size, reservation, done) in enumerate(claimed):
+                error = results if isinstance(results, BaseException) else None if results is None else results[n]
+                try:
+                    if results is not None and error is None:
+                        index.indexed(key, reservation, size)
+                    else:
+                        outcomes[i] = error if isinstance(error, Exception) else StorageError("write abandoned")
+                finally:
+                    reservation.release()
+                    del publishing[key]
+                    done.set_result(None)
+
+        future.add_done_callback(finished)
+        return future
 
     async def _reserve(self, size: int, what: object) -> Reservation:
         """Promise `size` bytes to a write, evicting first, so the total on disk stays under max_size."""
@@ -180,7 +208,7 @@ class Writer:
 
         Entries up to SMALL_OP bytes are gathered first and take the coalesced path instead.
         """
-        reservation = await self._reserve(size, what)
+        reservation = await self._reserve(self.core.index.cost(key, size), what)
         if size <= SMALL_OP:
             try:
                 if isinstance(chunks, bytes):
@@ -206,7 +234,7 @@ class Writer:
         except BaseException:
             reservation.release()
             raise
-        await self._publish(key, temp, reservation, replace=replace)
+        await self._publish(key, temp, size, reservation, replace=replace)
 
     async def _receive(
         self, digest: Digest | None, size: int, chunks: AsyncIterable[bytes] | bytes, what: object
@@ -267,7 +295,7 @@ class Writer:
             await self.core.settle(executor.submit(temp.abort, pending, hashed, written))
             raise
 
-    async def _publish(self, key: bytes, temp: str, reservation: Reservation, *, replace: bool) -> None:
+    async def _publish(self, key: bytes, temp: str, size: int, reservation: Reservation, *, replace: bool) -> None:
         """Rename a verified temp file into place and index it; owns `temp` and `reservation`."""
         core = self.core
         duplicate = False
@@ -284,7 +312,7 @@ class Writer:
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         core.publishing[key] = done
-        task = asyncio.ensure_future(self._rename_and_index(key, temp, reservation, done))
+        task = asyncio.ensure_future(self._rename_and_index(key, temp, size, reservation, done))
         core.tasks.add(task)
         task.add_done_callback(self._task_done)
         await asyncio.shield(task)
@@ -295,17 +323,19 @@ class Writer:
             log.debug("publish failed: %s", task.exception())
 
     async def _rename_and_index(
-        self, key: bytes, temp: str, reservation: Reservation, done: asyncio.Future[None]
+        self, key: bytes, temp: str, size: int, reservation: Reservation, done: asyncio.Future[None]
     ) -> None:
         core = self.core
         final = core.layout.path(key)
+        # An action entry replacing a record of it: the record goes once the file is in place.
+        stale = [key] if key in core.index.entries and core.index.in_records(key) else []
         try:
             try:
-                await core.io(fileops.rename, temp, final, what=f"publishing {final}")
+                await core.io(_rename_replacing, core.records, temp, final, stale, what=f"publishing {final}")
             except BaseException:
                 await core.settle(core.executor.submit(fileops.unlink_quiet, temp))
                 raise
-            core.index.indexed(key, reservation)
+            core.index.indexed(key, reservation, size)
         finally:
             reservation.release()
             del core.publishing[key]
@@ -351,7 +381,7 @@ class Writer:
         def finished(future: asyncio.Future[None]) -> None:
             try:
                 if not future.cancelled() and future.exception() is None:
-                    index.indexed(key, reservation)
+                    index.indexed(key, reservation, len(data))
                     if key[0] == AC_TAG:
                         index.ac_cache.put(key, data)
             finally:
@@ -359,13 +389,38 @@ class Writer:
                 del core.publishing[key]
                 done.set_result(None)
 
-        args = (core.layout.tmp_dir, core.layout.path(key), data, digest)
-        future = core.ops.submit(fileops.write_small, args, len(data))
+        # An action entry may move between a record and a file when its size crosses the limit:
+        # the old copy is removed in the same operation, once the new one is in place.
+        old = key in index.entries and index.in_records(key)
+        if held(index.limit, key, len(data)):
+            stale_file = core.layout.path(key) if key[0] == AC_TAG and key in index.entries and not old else None
+            future = core.ops.submit(records.put_one, (core.records, key, data, digest, stale_file), len(data))
+        else:
+            args = (core.layout.tmp_dir, core.layout.path(key), data, digest)
+            stale = [key] if old else []
+            future = core.ops.submit(_write_small_replacing, (core.records, stale, *args), len(data))
         future.add_done_callback(finished)
         try:
             await asyncio.shield(future)
         except OSError as e:
             raise fileops.storage_error(e, f"writing {what}") from e
+
+
+_Claim = tuple[int, bytes, int, Reservation, "asyncio.Future[None]"]  # item, key, size, reservation, done
+
+
+def _write_small_replacing(recs: records.Records, stale: list[bytes], *args: Any) -> None:
+    """fileops.write_small, then the removal of the record the file replaces (if any)."""
+    fileops.write_small(*args)
+    if stale:
+        records.delete_many(recs, stale)
+
+
+def _rename_replacing(recs: records.Records, temp: str, final: str, stale: list[bytes]) -> None:
+    """fileops.rename, then the removal of the record the file replaces (if any)."""
+    fileops.rename(temp, final)
+    if stale:
+        records.delete_many(recs, stale)
 
 
 async def _wait_io(cf: concurrent.futures.Future[Any], what: object) -> Any:
