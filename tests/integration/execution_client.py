@@ -1,9 +1,9 @@
 """Build REAPI actions and run them through a server's Execution service (for the execution tests).
 
-    spec = ActionSpec(["/bin/sh", "-c", "echo hi > out/x"], output_files=["out/x"])
-    action_digest = await spec.upload(stubs)
-    messages = await execute(channel, action_digest)        # every Operation the stream sent
-    response = final_response(messages)                      # the ExecuteResponse of the last one
+spec = ActionSpec(["/bin/sh", "-c", "echo hi > out/x"], output_files=["out/x"])
+action_digest = await spec.upload(stubs)
+messages = await execute(channel, action_digest)        # every Operation the stream sent
+response = final_response(messages)                      # the ExecuteResponse of the last one
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ActionSpec:
             for path in self.inputs:
                 if not path.startswith(prefix):
                     continue
-                head, _, rest = path[len(prefix):].partition("/")
+                head, _, rest = path[len(prefix) :].partition("/")
                 names[head] = names.get(head, False) or bool(rest)
             for name in sorted(names):
                 if names[name]:
@@ -120,9 +120,7 @@ class ActionSpec:
 
 
 def _platform(props: dict[str, str]) -> re_pb2.Platform:
-    return re_pb2.Platform(
-        properties=[re_pb2.Platform.Property(name=k, value=v) for k, v in sorted(props.items())]
-    )
+    return re_pb2.Platform(properties=[re_pb2.Platform.Property(name=k, value=v) for k, v in sorted(props.items())])
 
 
 def execution_stub(channel: grpc.aio.Channel) -> re_grpc.ExecutionStub:

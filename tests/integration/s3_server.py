@@ -70,9 +70,7 @@ def raw_client(endpoint: str, **config: object):
     """A plain boto3 S3 client on the endpoint (what an operator or another tool would use)."""
     options = dict(request_checksum_calculation="when_required", response_checksum_validation="when_required")
     options.update(config)
-    return session().client(
-        "s3", endpoint_url=endpoint, region_name=REGION, config=botocore.config.Config(**options)
-    )
+    return session().client("s3", endpoint_url=endpoint, region_name=REGION, config=botocore.config.Config(**options))
 
 
 def create_bucket(endpoint: str, name: str | None = None) -> str:

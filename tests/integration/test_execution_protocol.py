@@ -43,7 +43,14 @@ def exec_server(tmp_path_factory) -> ServerProcess:
         tmp_path_factory.mktemp("exec") / "data",
         name="exec",
         extra_args=[
-            "--local-workers", POOLS, "--execution-grace", "1", "--max-action-timeout", "120", "--action-timeout", "60"
+            "--local-workers",
+            POOLS,
+            "--execution-grace",
+            "1",
+            "--max-action-timeout",
+            "120",
+            "--action-timeout",
+            "60",
         ],
     )
     server.start()
@@ -77,8 +84,9 @@ async def test_capabilities_offer_execution(channel):
 
 async def test_stages_in_order_result_cached_then_served_from_cache(channel):
     stubs = make_stubs(channel)
-    spec = ActionSpec(["/bin/sh", "-c", f"cat in/a > out/x; echo {unique()}"], inputs={"in/a": b"hello"},
-                      output_files=["out/x"])
+    spec = ActionSpec(
+        ["/bin/sh", "-c", f"cat in/a > out/x; echo {unique()}"], inputs={"in/a": b"hello"}, output_files=["out/x"]
+    )
     action_digest = await spec.upload(stubs)
     messages = await execute(channel, action_digest)
     assert [stage(m) for m in messages] == [CACHE_CHECK, QUEUED, EXECUTING, COMPLETED]
@@ -91,8 +99,17 @@ async def test_stages_in_order_result_cached_then_served_from_cache(channel):
     assert out.path == "out/x" and await read(stubs, out.digest) == b"hello"
     metadata = result.execution_metadata
     assert metadata.worker
-    for name in ("queued", "worker_start", "input_fetch_start", "input_fetch_completed", "execution_start",
-                 "execution_completed", "output_upload_start", "output_upload_completed", "worker_completed"):
+    for name in (
+        "queued",
+        "worker_start",
+        "input_fetch_start",
+        "input_fetch_completed",
+        "execution_start",
+        "execution_completed",
+        "output_upload_start",
+        "output_upload_completed",
+        "worker_completed",
+    ):
         assert metadata.HasField(f"{name}_timestamp"), name
     # The ActionCache has it (written before done)...
     cached = await stubs.ac.GetActionResult(re_pb2.GetActionResultRequest(action_digest=action_digest))
@@ -265,8 +282,9 @@ async def test_client_gone_past_the_grace_kills_the_action(channel):
 async def test_timeout_is_deadline_exceeded_with_output_and_no_cache_entry(channel):
     stubs = make_stubs(channel)
     marker = f"{int.from_bytes(os.urandom(3), 'big') % 1000 + 2500}.{os.getpid()}"
-    spec = ActionSpec(["/bin/sh", "-c", f"echo before-the-kill; echo partial > out; sleep {marker}"],
-                      output_files=["out"], timeout=1)
+    spec = ActionSpec(
+        ["/bin/sh", "-c", f"echo before-the-kill; echo partial > out; sleep {marker}"], output_files=["out"], timeout=1
+    )
     action_digest = await spec.upload(stubs)
     response = await asyncio.wait_for(execute(channel, action_digest), 30)
     response = final_response(response)
@@ -279,8 +297,10 @@ async def test_timeout_is_deadline_exceeded_with_output_and_no_cache_entry(chann
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-TREE_SCRIPT = "mkdir -p d/sub/deeper; echo a > d/a; echo b > d/sub/b; echo c > d/sub/deeper/c; ln -s a d/link; " \
-              "echo f > f; ln -s f flink; mkdir real; ln -s real dlink"
+TREE_SCRIPT = (
+    "mkdir -p d/sub/deeper; echo a > d/a; echo b > d/sub/b; echo c > d/sub/deeper/c; ln -s a d/link; "
+    "echo f > f; ln -s f flink; mkdir real; ln -s real dlink"
+)
 
 
 def _check_tree(tree: re_pb2.Tree) -> None:
@@ -303,8 +323,11 @@ def _check_tree(tree: re_pb2.Tree) -> None:
 
 async def test_old_output_fields_tree_and_symlinks(channel):
     stubs = make_stubs(channel)
-    spec = ActionSpec(["/bin/sh", "-c", f"{TREE_SCRIPT}; : {unique()}"], output_files=["f", "flink"],
-                      output_directories=["d", "dlink"])
+    spec = ActionSpec(
+        ["/bin/sh", "-c", f"{TREE_SCRIPT}; : {unique()}"],
+        output_files=["f", "flink"],
+        output_directories=["d", "dlink"],
+    )
     result = final_response(await execute(channel, await spec.upload(stubs))).result
     assert [f.path for f in result.output_files] == ["f"]
     assert [(s.path, s.target) for s in result.output_file_symlinks] == [("flink", "f")]
@@ -316,8 +339,10 @@ async def test_old_output_fields_tree_and_symlinks(channel):
 
 async def test_output_paths(channel):
     stubs = make_stubs(channel)
-    spec = ActionSpec(["/bin/sh", "-c", f"mkdir -p gen/x; {TREE_SCRIPT}; : {unique()}"],
-                      output_paths=["d", "f", "flink", "dlink", "gen/x/absent"])
+    spec = ActionSpec(
+        ["/bin/sh", "-c", f"mkdir -p gen/x; {TREE_SCRIPT}; : {unique()}"],
+        output_paths=["d", "f", "flink", "dlink", "gen/x/absent"],
+    )
     result = final_response(await execute(channel, await spec.upload(stubs))).result
     assert [f.path for f in result.output_files] == ["f"]
     assert [d.path for d in result.output_directories] == ["d"]

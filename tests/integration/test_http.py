@@ -257,8 +257,12 @@ async def test_put_zstd_errors(http):
     truncated = zstandard.ZstdCompressor().compress(data)[:-5]
     response = await put(http, f"/cas/{sha(data)}", truncated, headers={"Content-Encoding": "zstd"})
     assert response.status == 400
-    response = await put(http, f"/cas/{sha(data)}", b"not zstd at all", headers={"Content-Encoding": "zstd",
-                                                                                 "X-Digest-SizeBytes": "8000"})
+    response = await put(
+        http,
+        f"/cas/{sha(data)}",
+        b"not zstd at all",
+        headers={"Content-Encoding": "zstd", "X-Digest-SizeBytes": "8000"},
+    )
     assert response.status == 400
     response = await put(http, f"/cas/{sha(data)}", data, headers={"Content-Encoding": "gzip"})
     assert response.status == 415
@@ -405,8 +409,9 @@ async def test_real_ac_entry_whose_blob_is_gone_is_a_miss():
 async def test_ac_zstd_put_and_get(http):
     key = sha(b"zstd entry")
     entry = os.urandom(100) * 50
-    response = await put(http, f"/ac/{key}", zstandard.ZstdCompressor().compress(entry),
-                         headers={"Content-Encoding": "zstd"})
+    response = await put(
+        http, f"/ac/{key}", zstandard.ZstdCompressor().compress(entry), headers={"Content-Encoding": "zstd"}
+    )
     assert response.status == 200
     status, body, response = await get(http, f"/ac/{key}", headers={"Accept-Encoding": "zstd"})
     assert response.headers["Content-Encoding"] == "zstd"
@@ -613,9 +618,7 @@ async def test_metrics_exact_counts(fresh):
 async def test_two_servers_in_one_process_count_apart():
     async def start():
         metrics = Metrics(version="test")
-        listener = HttpListener(
-            "127.0.0.1:0", create_app(MemoryBlobStore(), MemoryActionStore(), metrics)
-        )
+        listener = HttpListener("127.0.0.1:0", create_app(MemoryBlobStore(), MemoryActionStore(), metrics))
         await listener.start()
         return listener, metrics
 

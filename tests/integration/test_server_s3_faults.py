@@ -168,9 +168,7 @@ async def test_corrupt_object_in_bucket_is_never_served(s3, buildvault_server_fa
 
     consumer = start_tier_server(buildvault_server_factory, "consumer", s3, bucket)  # empty disk
     async with connect(consumer) as stubs:
-        reply = await stubs.cas.BatchReadBlobs(
-            re_pb2.BatchReadBlobsRequest(digests=[digest(small), digest(short)])
-        )
+        reply = await stubs.cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[digest(small), digest(short)]))
         assert [r.status.code for r in reply.responses] == [grpc.StatusCode.NOT_FOUND.value[0]] * 2
         assert all(r.data == b"" for r in reply.responses)
         for data in (big, small, short):

@@ -446,8 +446,7 @@ async def test_warm_find_missing_makes_no_head_requests(s3_endpoint, bucket, mak
     warm = time.perf_counter() - started
     assert b.object_store.request_counts == before
     print(
-        f"find_missing of 1001 digests: cold {cold * 1000:.0f} ms (1001 HEADs), "
-        f"warm {warm * 1000:.1f} ms (0 requests)"
+        f"find_missing of 1001 digests: cold {cold * 1000:.0f} ms (1001 HEADs), warm {warm * 1000:.1f} ms (0 requests)"
     )
 
     # Concurrent callers share in-flight HEADs.

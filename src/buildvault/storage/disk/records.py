@@ -19,9 +19,13 @@ start-up then re-verifies every record (`verify_all`), and drops the environment
 reports it damaged.
 
 Space: LMDB reuses the pages of deleted records and never shrinks its file, so the disk used is
-the high-water mark of live pages. `charge` is what a record costs in the store's size cap: its
-overflow pages (a value over about half a page) or twice its node (leaf pages may be half
-full), so the cap holds on disk. The map is sized from the cap with headroom; a full map or a
+the high-water mark of live pages plus the free ones it could not reuse (pages freed by the last
+two transactions are kept for crash safety; a value over about half a page needs a run of
+contiguous overflow pages, and the free runs fragment). `charge` is what a record costs in the
+store's size cap: 1.5 times its overflow pages, or twice its node for a value that fits in a
+leaf page (leaf pages may be half full), so the cap holds on disk: measured under a 4 MiB cap
+with 4 KiB blobs, sizes random up to 4 or 16 KiB, and mixes of 4 KiB with 8, 12 or 16 KiB, the
+data file stayed at 0.74-0.87 of the cap (bench/RESULTS.md). The map is sized from the cap with headroom; a full map or a
 full disk is ENOSPC (StorageFull).
 
 Every function here runs in a worker thread; they are looked up through this module at call
@@ -48,7 +52,10 @@ from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, SIZE_BYTES, cas_s
 
 log = logging.getLogger("buildvault.storage.disk")
 
-RECORD_LIMIT = 64 << 10  # entries up to this many bytes are records (bench/RESULTS.md, issue 15)
+# Entries up to this many bytes are records. Larger values need longer runs of contiguous
+# overflow pages, and with a mix of sizes the free runs fragment: at 40 KiB LMDB grew its file
+# past the cap (see `charge`); up to 16 KiB it stayed within (bench/RESULTS.md, issue 15).
+RECORD_LIMIT = 16 << 10
 MAX_KEY = 511  # LMDB's key limit; a longer AC key (a very long instance name) stays a file
 PAGE = mmap.PAGESIZE  # LMDB's page size is the OS page size
 _PAGE_HEADER = 16
@@ -72,7 +79,7 @@ def charge(key: bytes, size: int) -> int:
     if node <= _NODE_MAX:
         return 2 * (node + 2)
     pages = -(-(_PAGE_HEADER + _CRC + size) // PAGE)
-    return pages * PAGE + 2 * (_NODE_HEADER + len(key) + 8 + 2)
+    return pages * PAGE * 3 // 2 + 2 * (_NODE_HEADER + len(key) + 8 + 2)
 
 
 def _crc(data: bytes | memoryview) -> bytes:
@@ -157,15 +164,20 @@ def put_many(records: Records, items: list[PutItem], stale_files: list[str] | No
         good.append((key, _crc(data) + data))
     if good:
         try:
-            with records.live.begin(write=True) as txn:
-                for key, value in good:
-                    txn.put(key, value)
+            commit(records, good)
         except lmdb.Error as e:
             error = as_oserror(e, "writing records")
             return [error if outcome is None else outcome for outcome in outcomes]
     for path in stale_files or ():
         fileops.unlink_quiet(path)
     return outcomes
+
+
+def commit(records: Records, pairs: list[tuple[bytes, bytes]]) -> None:
+    """Put (key, value) pairs in one write transaction (lmdb.Error on failure: nothing is written)."""
+    with records.live.begin(write=True) as txn:
+        for key, value in pairs:
+            txn.put(key, value)
 
 
 def put_one(records: Records, key: bytes, data: bytes, digest: Digest | None, stale_file: str | None) -> None:
