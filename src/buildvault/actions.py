@@ -387,9 +387,7 @@ class ActionCache:
         missing = await self.missing_blobs(stored, function)
         if missing:
             raise MissingBlobs(missing)
-        await self.actions.put(
-            ac_namespace(instance_name), action_digest, stored.SerializeToString(deterministic=True)
-        )
+        await self.actions.put(ac_namespace(instance_name), action_digest, stored.SerializeToString(deterministic=True))
         return stored
 
     async def _move_inline_bytes(self, result: re_pb2.ActionResult, function: DigestFunction) -> None:

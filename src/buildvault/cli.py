@@ -71,6 +71,7 @@ def version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     import argparse
+
     parser = argparse.ArgumentParser(
         prog="buildvault", description="Remote build cache for Bazel and REAPI v2 clients."
     )
@@ -85,9 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Run the cache server. Precedence: flags > BUILDVAULT_<NAME> environment > --config file > defaults."
         ),
     )
-    serve.add_argument(
-        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
-    )
+    serve.add_argument("--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)")
     add_settings_flags(serve)
     from buildvault.client.run.command import add_run_parser
 
@@ -119,9 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 if the local server's /healthz answers (the container HEALTHCHECK)",
         description="GET /healthz on the server's HTTP address (settings as for serve; wildcard host: loopback).",
     )
-    health.add_argument(
-        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
-    )
+    health.add_argument("--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)")
     health.add_argument("--http-address", dest="http_address", metavar="HOST:PORT", default=None)
     _add_admin_commands(commands)
     return parser
@@ -141,9 +138,7 @@ def _add_admin_commands(commands: Any) -> None:
     verify.add_argument("--json", action="store_true", help="one JSON object on stdout")
     from buildvault.config import ENV_PREFIX
 
-    verify.add_argument(
-        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
-    )
+    verify.add_argument("--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)")
     add_settings_flags(verify, prefix="s3_")  # with a bucket, --repair refetches damaged blobs from it
 
     gc = commands.add_parser(
@@ -151,9 +146,7 @@ def _add_admin_commands(commands: Any) -> None:
         help="delete old action entries and unreferenced blobs from the S3 bucket",
         description="Deletes expired action entries first, then blobs no remaining entry references.",
     )
-    gc.add_argument(
-        "--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)"
-    )
+    gc.add_argument("--config", metavar="FILE", default=None, help=f"TOML settings file (env {ENV_PREFIX}CONFIG)")
     add_settings_flags(gc, prefix="s3_")
     gc.add_argument("--max-age", metavar="AGE", default=None, help="delete action entries unused this long (30d)")
     gc.add_argument("--max-size", metavar="SIZE", default=None, help="delete unreferenced blobs until under SIZE")

@@ -75,7 +75,7 @@ class TextFormatter(logging.Formatter):
 def _text_value(value: Any) -> str:
     text = str(value)
     # Quote what would split the line's key=value pairs, so a reader can still cut them apart.
-    return json.dumps(text) if not text or any(c.isspace() or c in "\"=" for c in text) else text
+    return json.dumps(text) if not text or any(c.isspace() or c in '"=' for c in text) else text
 
 
 def _timestamp(created: float) -> str:

@@ -36,7 +36,11 @@ pytestmark = pytest.mark.timeout(300)
 def run_harness(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bench.harness", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -49,14 +53,22 @@ def test_quick_bench_against_buildvault(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     with ServerProcess(tmp_path / "data", http_address="") as server:
         proc = run_harness(
-            "--target", server.grpc_address, "--quick", "--server-pid", str(server.pid),
-            "--label", "buildvault", "--json-out", str(out),
+            "--target",
+            server.grpc_address,
+            "--quick",
+            "--server-pid",
+            str(server.pid),
+            "--label",
+            "buildvault",
+            "--json-out",
+            str(out),
         )
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}\n{server.output()[-3000:]}"
 
     largest = harness.size_label(max(harness.QUICK.bs_sizes))
     expected = [s.name for s in harness.scenarios_for(harness.QUICK)] + [
-        "server_rss_peak", f"server_rss_bs_{largest}",
+        "server_rss_peak",
+        f"server_rss_bs_{largest}",
     ]
     assert [row["scenario"] for row in json_rows(proc)] == expected
     results = json.loads(out.read_text())["results"]

@@ -144,7 +144,7 @@ class Podman:
                 partial = tarball.with_suffix(".partial")
                 subprocess.run(["tar", "-C", str(rootfs), "-cf", str(partial), "."], check=True, timeout=600)
                 partial.rename(tarball)  # only a complete tarball is ever reused
-        self.run("import", "--change", "CMD [\"/bin/bash\"]", str(tarball), name)
+        self.run("import", "--change", 'CMD ["/bin/bash"]', str(tarball), name)
         return name
 
     def build_image(self, tag: str, base: str, context: Path) -> None:

@@ -179,9 +179,7 @@ class BazelResult:
 
     def check(self) -> BazelResult:
         if not self.ok:
-            raise AssertionError(
-                f"bazel failed (exit {self.returncode}): {' '.join(self.args)}\n{self.output[-6000:]}"
-            )
+            raise AssertionError(f"bazel failed (exit {self.returncode}): {' '.join(self.args)}\n{self.output[-6000:]}")
         return self
 
 

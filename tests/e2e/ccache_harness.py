@@ -138,13 +138,19 @@ class CcacheProject:
 
     # -- build ---------------------------------------------------------------
     def configure(self, *extra: str) -> subprocess.CompletedProcess[str]:
-        return self._run([
-            self.cmake, "-S", str(self.src), "-B", str(self.build_dir),
-            "-DCMAKE_BUILD_TYPE=Release",
-            "-DCMAKE_C_COMPILER_LAUNCHER=ccache",
-            "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
-            *extra,
-        ])
+        return self._run(
+            [
+                self.cmake,
+                "-S",
+                str(self.src),
+                "-B",
+                str(self.build_dir),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DCMAKE_C_COMPILER_LAUNCHER=ccache",
+                "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+                *extra,
+            ]
+        )
 
     def build(self, *, fresh: bool = True, cmake_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
         """Configure (into an empty build dir if ``fresh``) and build everything."""

@@ -54,8 +54,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.server.state.requests.append(rec)
         return rec
 
-    def _reply(self, rec: RecordedRequest, status: int, body: bytes = b"", head: bool = False,
-               length: int | None = None) -> None:
+    def _reply(
+        self, rec: RecordedRequest, status: int, body: bytes = b"", head: bool = False, length: int | None = None
+    ) -> None:
         rec.status = status
         self.send_response(status)
         self.send_header("Content-Length", str(len(body) if length is None else length))
@@ -130,8 +131,7 @@ class SelftestHttpStore:
     def __init__(self) -> None:
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.state = _State()
-        self._thread = threading.Thread(target=self._server.serve_forever, name="selftest-http-store",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="selftest-http-store", daemon=True)
 
     @property
     def port(self) -> int:

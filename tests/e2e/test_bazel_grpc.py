@@ -14,6 +14,7 @@ from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)
 
+
 @pytest.fixture
 def server_log_level() -> str:
     return "debug"  # one JSON line per request: the tests count the RPCs Bazel made

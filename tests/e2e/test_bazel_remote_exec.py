@@ -38,7 +38,7 @@ def test_bazel_build_runs_every_compile_and_link_remotely(bazel_workspace_factor
     assert ws.run_binary().stdout == EXPECTED_OUTPUT + "\n"
 
 
-EXTRA_BUILD = '''
+EXTRA_BUILD = """
 load(":tree.bzl", "tree_artifact")
 
 genrule(
@@ -53,9 +53,9 @@ sh_test(
     name = "sleepy_test",
     srcs = ["sleepy_test.sh"],
 )
-'''
+"""
 
-TREE_BZL = '''
+TREE_BZL = """
 def _impl(ctx):
     out = ctx.actions.declare_directory(ctx.label.name + ".d")
     ctx.actions.run_shell(
@@ -66,17 +66,17 @@ def _impl(ctx):
     return [DefaultInfo(files = depset([out]))]
 
 tree_artifact = rule(implementation = _impl)
-'''
+"""
 
 SLEEP_MARKER = "29.75311"  # a `sleep` argument no other process uses
 SLEEPY_TEST = f"#!/bin/sh\necho printed-before-the-kill\nsleep {SLEEP_MARKER}\n"
 
 # Offline `bazel test` needs @remote_coverage_tools: no-op coverage tools.
-COVERAGE_STUB_BUILD = '''
+COVERAGE_STUB_BUILD = """
 package(default_visibility = ["//visibility:public"])
 sh_binary(name = "coverage_report_generator", srcs = ["noop.sh"])
 sh_binary(name = "lcov_merger", srcs = ["noop.sh"])
-'''
+"""
 
 
 def add_extra_targets(ws) -> None:
@@ -111,8 +111,15 @@ def test_bazel_remote_genrule_past_remote_timeout_and_tree_artifact(bazel_worksp
 def test_bazel_remote_test_timeout(bazel_workspace_factory, exec_server):
     ws = bazel_workspace_factory("timeout")
     add_extra_targets(ws)
-    result = ws.run("test", *remote_exec(exec_server), "--test_timeout=2", "--test_output=errors", "--",
-                    "//extra:sleepy_test", timeout=120)
+    result = ws.run(
+        "test",
+        *remote_exec(exec_server),
+        "--test_timeout=2",
+        "--test_output=errors",
+        "--",
+        "//extra:sleepy_test",
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "TIMEOUT" in result.output, result.output
     assert "printed-before-the-kill" in result.output, result.output

@@ -17,13 +17,13 @@ from polling import wait_for
 pytestmark = pytest.mark.timeout(900)
 
 SLEEP = "7.4321"  # the genrule's `sleep` argument: no other process uses it
-GENRULE = f'''
+GENRULE = f"""
 genrule(
     name = "slow",
     outs = ["slow.txt"],
     cmd = "sleep {SLEEP}; echo slow-done > $@",
 )
-'''
+"""
 
 
 def flags(server) -> tuple[str, ...]:
@@ -61,8 +61,11 @@ def test_worker_killed_mid_action_reruns_and_build_passes(bazel_workspace_factor
     ws = bazel_workspace_factory("kill")
     ws.write_file("slow/BUILD", GENRULE)
     thread, result = build_in_background(ws, server)
-    pid = wait_for(lambda: running_worker_pid(server) if processes_with(f"sleep {SLEEP}") else None, 120,
-                   "the genrule to run on a worker")
+    pid = wait_for(
+        lambda: running_worker_pid(server) if processes_with(f"sleep {SLEEP}") else None,
+        120,
+        "the genrule to run on a worker",
+    )
     os.kill(pid, signal.SIGKILL)
     thread.join(300)
     build = result["r"].check()

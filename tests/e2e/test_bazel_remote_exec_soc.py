@@ -27,13 +27,13 @@ BINARY = "csrc/op_registry_demo"
 # 20 C++ compiles + 1 genrule + 8 links/archives (tests/launcher/test_bazel_example.py)
 CACHEABLE = 29
 POOLS = "1:soc=ascend910b1,cann=8.0.RC3;1:soc=ascend310p"
-PLATFORM = '''
+PLATFORM = """
 platform(
     name = "npu_910b1",
     parents = ["@local_config_platform//:host"],
     exec_properties = {"soc": "ascend910b1", "cann": "8.0.RC3"},
 )
-'''
+"""
 # Per-target exec_properties win over the platform's, key by key; an empty value drops a key.
 TINYFMT_OVERRIDE = '    exec_properties = {"soc": "ascend310p", "cann": ""},\n'
 

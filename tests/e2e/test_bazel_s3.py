@@ -16,6 +16,7 @@ from server_process import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)
 
+
 def url(server: ServerProcess, protocol: str) -> str:
     return f"grpc://{server.grpc_address}" if protocol == "grpc" else f"http://{server.http_address}"
 
@@ -54,4 +55,3 @@ def test_bazel_warm_rebuild_from_the_bucket_through_a_second_server(bazel_worksp
     assert bucket_keys(s3.endpoint, bucket) == keys
     output = a.output() + b.output()
     assert '"code":"INTERNAL"' not in output and '"code":"UNKNOWN"' not in output and "Traceback" not in output
-

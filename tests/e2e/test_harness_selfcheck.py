@@ -41,10 +41,11 @@ def http_store():
 
 # Captured from Bazel 4.2.3 (Debian bazel-bootstrap) building this workspace.
 BAZEL_LINES = [
-    ("INFO: 18 processes: 8 internal, 10 processwrapper-sandbox.",
-     {"internal": 8, "processwrapper-sandbox": 10}),
-    ("INFO: 18 processes: 10 remote cache hit, 8 internal.",  # --disk_cache and --remote_cache hits alike
-     {"remote cache hit": 10, "internal": 8}),
+    ("INFO: 18 processes: 8 internal, 10 processwrapper-sandbox.", {"internal": 8, "processwrapper-sandbox": 10}),
+    (
+        "INFO: 18 processes: 10 remote cache hit, 8 internal.",  # --disk_cache and --remote_cache hits alike
+        {"remote cache hit": 10, "internal": 8},
+    ),
     ("INFO: 18 processes: 8 internal, 10 linux-sandbox.", {"internal": 8, "linux-sandbox": 10}),
     ("INFO: 2 processes: 1 internal, 1 local.", {"internal": 1, "local": 1}),
     ("INFO: 2 processes: 1 internal, 1 processwrapper-sandbox.", {"internal": 1, "processwrapper-sandbox": 1}),
@@ -80,11 +81,16 @@ def test_bazel_summary_parser_picks_last_summary_and_rejects_noise():
 
 
 def test_ccache_print_stats_parser():
-    text = "cache_miss\t4\ndirect_cache_hit\t0\nremote_storage_hit\t0\nremote_storage_write\t8\n" \
-           "stats_updated_timestamp\t1795949446\n"
+    text = (
+        "cache_miss\t4\ndirect_cache_hit\t0\nremote_storage_hit\t0\nremote_storage_write\t8\n"
+        "stats_updated_timestamp\t1795949446\n"
+    )
     assert parse_print_stats(text) == {
-        "cache_miss": 4, "direct_cache_hit": 0, "remote_storage_hit": 0,
-        "remote_storage_write": 8, "stats_updated_timestamp": 1795949446,
+        "cache_miss": 4,
+        "direct_cache_hit": 0,
+        "remote_storage_hit": 0,
+        "remote_storage_write": 8,
+        "stats_updated_timestamp": 1795949446,
     }
 
 
@@ -116,8 +122,11 @@ def test_bazel_disk_cache_clean_rebuild(bazel_workspace_factory, tmp_path):
     assert other.run_binary().stdout == EXPECTED_OUTPUT + "\n"
 
     # Changing one source re-runs exactly its compile + the links that use it.
-    other.write_file("lib/base/add.cc", '#include "lib/base/base.h"\n'
-                     "namespace base {\nint Add(int a, int b) { return b + a + 0; }\n}  // namespace base\n")
+    other.write_file(
+        "lib/base/add.cc",
+        '#include "lib/base/base.h"\n'
+        "namespace base {\nint Add(int a, int b) { return b + a + 0; }\n}  // namespace base\n",
+    )
     partial = other.build(disk_cache=disk, check=True).processes
     assert partial.cache_hits == 0 and partial.executed == 4, partial.line  # add.cc, libbase.a, libbase.so, hello
     assert other.run_binary().stdout == EXPECTED_OUTPUT + "\n"

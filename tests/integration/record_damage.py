@@ -21,13 +21,16 @@ def data_file(root: Path) -> Path:
 
 
 def flip_byte_of(root: Path, data: bytes) -> None:
-    """Flip one bit in the middle of the stored copy of `data` (found by its bytes: random data
-    is unique) in place, in the data file the server has mapped."""
+    """Flip one bit in the middle of every copy of `data` in the data file the server has mapped,
+    in place (a small record lives in a leaf page, and copy-on-write leaves stale copies of leaf
+    pages in free pages: flipping every copy hits the live one)."""
     path = data_file(root)
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
         at = mapped.find(data)
         assert at >= 0, "the record's bytes are not in the data file"
-        mapped[at + len(data) // 2] ^= 0x01
+        while at >= 0:
+            mapped[at + len(data) // 2] ^= 0x01
+            at = mapped.find(data, at + len(data))
         mapped.flush()
 
 
@@ -63,3 +66,30 @@ def record_count(root: Path) -> int:
         return int(env.stat()["entries"])
     finally:
         env.close()
+
+
+def zero_record(root: Path, key: bytes) -> None:
+    """Overwrite a record's value with zeros (its CRC then fails), as a torn write would leave a file."""
+    env = _env(root)
+    try:
+        with env.begin(write=True) as txn:
+            value = txn.get(key)
+            assert value is not None, "no such record"
+            txn.put(key, b"\x00" * len(value))
+    finally:
+        env.close()
+
+
+def all_records(root: Path) -> dict[bytes, bytes]:
+    env = lmdb.open(str(root / "records"), readonly=True, lock=True, map_size=MAP_SIZE)
+    try:
+        with env.begin() as txn:
+            return {bytes(k): bytes(v) for k, v in txn.cursor()}
+    finally:
+        env.close()
+
+
+def record_data(root: Path, key: bytes) -> bytes | None:
+    """A record's data (without its CRC), or None."""
+    value = all_records(root).get(key)
+    return None if value is None else value[4:]

@@ -46,8 +46,9 @@ class Fleet:
     def checkout_copy(self, name: str) -> Path:
         return copy_checkout(self.root / name)
 
-    def build(self, checkout: Path, build_dir: str = "build", env: dict[str, str] | None = None,
-              **kwargs: Any) -> Build:
+    def build(
+        self, checkout: Path, build_dir: str = "build", env: dict[str, str] | None = None, **kwargs: Any
+    ) -> Build:
         return cmake_build(self.toolchain, checkout, checkout / build_dir, env or self.env, **kwargs).check()
 
 
@@ -189,8 +190,9 @@ def test_every_hit_is_byte_identical_to_a_fresh_compile(fleet: Fleet) -> None:
     assert stale == [], f"{len(stale)} stale hits: {stale}"
 
 
-def test_server_stopped_mid_build_still_builds(tmp_path: Path, require_cmake: None,
-                                               env_factory: Callable[..., LauncherEnv]) -> None:
+def test_server_stopped_mid_build_still_builds(
+    tmp_path: Path, require_cmake: None, env_factory: Callable[..., LauncherEnv]
+) -> None:
     server = start_server(tmp_path)
     events = tmp_path / "events.jsonl"
     env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))

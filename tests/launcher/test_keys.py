@@ -27,8 +27,23 @@ def test_plain_compile_is_cacheable() -> None:
 
 
 def test_cmake_style_depfile_and_force_include() -> None:
-    argv = ["c++", "-DSOC=ascend910b1", "-I/ck/inc", "-O3", "-include", "/ck/compat.h", "-MD", "-MT", "x.o",
-            "-MF", "x.o.d", "-o", "x.o", "-c", "/ck/x.cc"]
+    argv = [
+        "c++",
+        "-DSOC=ascend910b1",
+        "-I/ck/inc",
+        "-O3",
+        "-include",
+        "/ck/compat.h",
+        "-MD",
+        "-MT",
+        "x.o",
+        "-MF",
+        "x.o.d",
+        "-o",
+        "x.o",
+        "-c",
+        "/ck/x.cc",
+    ]
     c = classify(argv)
     assert isinstance(c, Compile)
     assert c.depfile == "x.o.d" and c.forced_includes == ["/ck/compat.h"] and c.include_dirs == ["/ck/inc"]
@@ -75,8 +90,10 @@ def test_side_output_environment_is_bypassed_and_extra_safe_flags_are_allowed() 
 
 
 def test_parse_depfile_handles_continuations_escapes_and_phony_targets() -> None:
-    text = ("obj/a.o: /ck/a.cc /ck/inc/a\\ b.h \\\n  /usr/include/stdio.h \\\n /ck/x$$y.h\n/ck/inc/a\\ b.h:\n"
-            "/usr/include/stdio.h:\n")
+    text = (
+        "obj/a.o: /ck/a.cc /ck/inc/a\\ b.h \\\n  /usr/include/stdio.h \\\n /ck/x$$y.h\n/ck/inc/a\\ b.h:\n"
+        "/usr/include/stdio.h:\n"
+    )
     assert parse_depfile(text) == ["/ck/a.cc", "/ck/inc/a b.h", "/usr/include/stdio.h", "/ck/x$y.h"]
 
 
@@ -105,13 +122,36 @@ def test_parse_roots() -> None:
 
 
 def _argv(ck: str, build: str, *extra: str) -> list[str]:
-    return ["/usr/bin/c++", "-DSOC=ascend910b1", f"-I{ck}/inc", "-include", f"{ck}/compat.h", "-O2", *extra,
-            "-MD", "-MT", "a.o", "-MF", "a.o.d", "-o", "a.o", "-c", f"{ck}/a.cc"]
+    return [
+        "/usr/bin/c++",
+        "-DSOC=ascend910b1",
+        f"-I{ck}/inc",
+        "-include",
+        f"{ck}/compat.h",
+        "-O2",
+        *extra,
+        "-MD",
+        "-MT",
+        "a.o",
+        "-MF",
+        "a.o.d",
+        "-o",
+        "a.o",
+        "-c",
+        f"{ck}/a.cc",
+    ]
 
 
-def _key(ck: str = "/ck1", build: str | None = None, argv: list[str] | None = None, env: dict[str, str] | None = None,
-         compiler: str = "c1", platform: str = "soc=ascend910b1,cann=8.0.RC3",
-         inputs: dict[str, tuple[Digest, bool]] | None = None, exact: bool = False) -> tuple[Prepared, ActionKey]:
+def _key(
+    ck: str = "/ck1",
+    build: str | None = None,
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    compiler: str = "c1",
+    platform: str = "soc=ascend910b1,cann=8.0.RC3",
+    inputs: dict[str, tuple[Digest, bool]] | None = None,
+    exact: bool = False,
+) -> tuple[Prepared, ActionKey]:
     build = build or f"{ck}/build"
     argv = argv or _argv(ck, build)
     c = classify(argv, env or {})
@@ -175,8 +215,9 @@ def test_platform_properties() -> None:
     assert "cann" not in props  # not mentioned by this compile
     _, forced = _key(platform="soc=ascend910b1,cann=8.0.RC3!")
     assert _platform_of(forced)["cann"] == "8.0.RC3"
-    _, soc2 = _key(argv=[a.replace("ascend910b1", "ascend310p1") for a in _argv("/ck1", "/ck1/build")],
-                   platform="soc=ascend310p1")
+    _, soc2 = _key(
+        argv=[a.replace("ascend910b1", "ascend310p1") for a in _argv("/ck1", "/ck1/build")], platform="soc=ascend310p1"
+    )
     assert _platform_of(soc2)["soc"] == "ascend310p1"
 
 
@@ -218,8 +259,11 @@ def test_text_inputs_are_normalized_binary_and_outside_inputs_are_exact(tmp_path
         (ck / "gen.h").write_text(f'#include "{ck}/inc/a.h"\n')
         (ck / "blob.bin").write_bytes(b"\0" + str(ck).encode())
         roots = Roots([("SRC", str(ck))])
-        infos[name] = (hasher.info(str(ck / "gen.h"), roots), hasher.info(str(ck / "blob.bin"), roots),
-                       hasher.info(str(ck / "gen.h"), EXACT))
+        infos[name] = (
+            hasher.info(str(ck / "gen.h"), roots),
+            hasher.info(str(ck / "blob.bin"), roots),
+            hasher.info(str(ck / "gen.h"), EXACT),
+        )
     assert infos["ck1"][0].digest == infos["ck2"][0].digest  # normalized text
     assert infos["ck1"][1].digest != infos["ck2"][1].digest  # binary: byte-exact
     assert infos["ck1"][2].digest != infos["ck2"][2].digest  # outside every root: byte-exact

@@ -20,8 +20,9 @@ from server_process import ServerProcess
 class Tree:
     """A checkout with a source and a header, and its build dir; compiles through the shim."""
 
-    def __init__(self, root: Path, toolchain: Toolchain, env: dict[str, str], source: str,
-                 header: str = "#define V 1\n") -> None:
+    def __init__(
+        self, root: Path, toolchain: Toolchain, env: dict[str, str], source: str, header: str = "#define V 1\n"
+    ) -> None:
         self.root = root
         self.build = root / "build"
         self.build.mkdir(parents=True, exist_ok=True)
@@ -34,8 +35,18 @@ class Tree:
         self.env["SHIM_LOG"] = str(toolchain.log)
 
     def compile(self, *flags: str, launcher: bool = True, output: str = "a.o") -> subprocess.CompletedProcess[str]:
-        argv = [self.toolchain.cxx, *flags, f"-I{self.root}/inc", "-MD", "-MF", output + ".d", "-o", output,
-                "-c", str(self.root / "a.cc")]
+        argv = [
+            self.toolchain.cxx,
+            *flags,
+            f"-I{self.root}/inc",
+            "-MD",
+            "-MF",
+            output + ".d",
+            "-o",
+            output,
+            "-c",
+            str(self.root / "a.cc"),
+        ]
         if launcher:
             argv = [launcher_command(), *argv]
         result = subprocess.run(argv, cwd=self.build, env=self.env, capture_output=True, text=True, timeout=120)
@@ -52,8 +63,13 @@ def real_compiles(toolchain: Toolchain) -> int:
 
 
 @pytest.fixture
-def live(server: ServerProcess, env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain,
-         require_gxx: None) -> tuple[LauncherEnv, Path]:
+def live(
+    server: ServerProcess,
+    env_factory: Callable[..., LauncherEnv],
+    tmp_path: Path,
+    toolchain: Toolchain,
+    require_gxx: None,
+) -> tuple[LauncherEnv, Path]:
     events = tmp_path / "events.jsonl"
     env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))
     return env, events
@@ -62,8 +78,9 @@ def live(server: ServerProcess, env_factory: Callable[..., LauncherEnv], tmp_pat
 SIMPLE = '#include "v.h"\n#include <vector>\nint f() { std::vector<int> v(V); return (int)v.size(); }\n'
 
 
-def test_hit_replays_diagnostics_with_this_checkouts_paths(live: tuple[LauncherEnv, Path], tmp_path: Path,
-                                                           toolchain: Toolchain) -> None:
+def test_hit_replays_diagnostics_with_this_checkouts_paths(
+    live: tuple[LauncherEnv, Path], tmp_path: Path, toolchain: Toolchain
+) -> None:
     env, events = live
     source = '#include "v.h"\n#warning "check tiling"\nint f() { return V; }\n'
     a = Tree(tmp_path / "a", toolchain, env, source)
@@ -90,9 +107,9 @@ def test_hit_replays_diagnostics_with_this_checkouts_paths(live: tuple[LauncherE
     ],
     ids=["debug-info", "__FILE__"],
 )
-def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(live: tuple[LauncherEnv, Path], tmp_path: Path,
-                                                                  toolchain: Toolchain, flags: list[str],
-                                                                  source: str) -> None:
+def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(
+    live: tuple[LauncherEnv, Path], tmp_path: Path, toolchain: Toolchain, flags: list[str], source: str
+) -> None:
     env, events = live
     a = Tree(tmp_path / "a", toolchain, env, source)
     b = Tree(tmp_path / "b", toolchain, env, source)
@@ -113,8 +130,13 @@ def test_outputs_that_embed_the_checkout_path_never_hit_elsewhere(live: tuple[La
     assert a.obj() == a.obj("fresh.o")
 
 
-def test_read_only_client_never_stores(server: ServerProcess, env_factory: Callable[..., LauncherEnv],
-                                       tmp_path: Path, toolchain: Toolchain, require_gxx: None) -> None:
+def test_read_only_client_never_stores(
+    server: ServerProcess,
+    env_factory: Callable[..., LauncherEnv],
+    tmp_path: Path,
+    toolchain: Toolchain,
+    require_gxx: None,
+) -> None:
     events = tmp_path / "events.jsonl"
     env = env_factory(server, writer=False, BUILDVAULT_EVENT_LOG=str(events))
     t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
@@ -124,12 +146,18 @@ def test_read_only_client_never_stores(server: ServerProcess, env_factory: Calla
     assert [(e["status"], e["reason"]) for e in read_events(events)] == [("MISS", "read-only")] * 2
 
 
-def test_unsupported_lines_and_failures_run_the_compiler_untouched(live: tuple[LauncherEnv, Path], tmp_path: Path,
-                                                                   toolchain: Toolchain) -> None:
+def test_unsupported_lines_and_failures_run_the_compiler_untouched(
+    live: tuple[LauncherEnv, Path], tmp_path: Path, toolchain: Toolchain
+) -> None:
     env, events = live
     t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
-    pre = subprocess.run([launcher_command(), toolchain.cxx, "-I", str(t.root / "inc"), "-E", str(t.root / "a.cc")],
-                         cwd=t.build, env=t.env, capture_output=True, text=True)
+    pre = subprocess.run(
+        [launcher_command(), toolchain.cxx, "-I", str(t.root / "inc"), "-E", str(t.root / "a.cc")],
+        cwd=t.build,
+        env=t.env,
+        capture_output=True,
+        text=True,
+    )
     assert pre.returncode == 0 and "std" in pre.stdout
     (t.root / "a.cc").write_text("int f( {\n")
     for _ in range(2):
@@ -147,9 +175,9 @@ def _closed_port() -> int:
         return port
 
 
-def test_unreachable_server_compiles_locally_with_one_warning(env_factory: Callable[..., LauncherEnv],
-                                                              tmp_path: Path, toolchain: Toolchain,
-                                                              require_gxx: None) -> None:
+def test_unreachable_server_compiles_locally_with_one_warning(
+    env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain, require_gxx: None
+) -> None:
     events = tmp_path / "events.jsonl"
     env = env_factory(None, remote=f"grpc://127.0.0.1:{_closed_port()}", BUILDVAULT_EVENT_LOG=str(events))
     t = Tree(tmp_path / "a", toolchain, env, SIMPLE)
@@ -162,8 +190,9 @@ def test_unreachable_server_compiles_locally_with_one_warning(env_factory: Calla
     assert reasons <= {"remote-error", "remote-unavailable", "upload-failed"}, reasons
 
 
-def test_server_that_never_answers_costs_a_bounded_wait(env_factory: Callable[..., LauncherEnv], tmp_path: Path,
-                                                        toolchain: Toolchain, require_gxx: None) -> None:
+def test_server_that_never_answers_costs_a_bounded_wait(
+    env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain, require_gxx: None
+) -> None:
     """A black-hole server (accepts TCP, never speaks): the timeout bounds the wait, then local."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -218,14 +247,20 @@ def test_summary_command(live: tuple[LauncherEnv, Path], tmp_path: Path, toolcha
     assert "time saved:" in out.stdout
 
 
-def test_outputs_larger_than_a_batch_go_through_bytestream(server: ServerProcess,
-                                                           env_factory: Callable[..., LauncherEnv], tmp_path: Path,
-                                                           toolchain: Toolchain, require_gxx: None) -> None:
+def test_outputs_larger_than_a_batch_go_through_bytestream(
+    server: ServerProcess,
+    env_factory: Callable[..., LauncherEnv],
+    tmp_path: Path,
+    toolchain: Toolchain,
+    require_gxx: None,
+) -> None:
     """Blobs over the batch limit (here 64 KiB) go up with ByteStream.Write, down with ByteStream.Read."""
     env = env_factory(server, BUILDVAULT_BATCH_LIMIT=str(64 * 1024))
-    source = '#include "v.h"\nextern const unsigned char big[] = {' + ",".join(
-        str((i * 7919) % 251) for i in range(300_000)
-    ) + "};\nint f() { return V; }\n"
+    source = (
+        '#include "v.h"\nextern const unsigned char big[] = {'
+        + ",".join(str((i * 7919) % 251) for i in range(300_000))
+        + "};\nint f() { return V; }\n"
+    )
     a = Tree(tmp_path / "a", toolchain, env, source)
     assert a.compile("-O0").returncode == 0
     assert (a.build / "a.o").stat().st_size > 4 * 64 * 1024
@@ -237,12 +272,15 @@ def test_outputs_larger_than_a_batch_go_through_bytestream(server: ServerProcess
     assert a.obj() == first
 
 
-def test_has_include_probe_sees_a_new_file(live: tuple[LauncherEnv, Path], tmp_path: Path,
-                                           toolchain: Toolchain) -> None:
+def test_has_include_probe_sees_a_new_file(
+    live: tuple[LauncherEnv, Path], tmp_path: Path, toolchain: Toolchain
+) -> None:
     """`__has_include` makes the *existence* of a file an input: creating it must not give a stale hit."""
     env, events = live
-    source = ('#if __has_include("feature.h")\n#include "feature.h"\n#else\n#define FEATURE 0\n#endif\n'
-              '#include "v.h"\nint f() { return FEATURE + V; }\n')
+    source = (
+        '#if __has_include("feature.h")\n#include "feature.h"\n#else\n#define FEATURE 0\n#endif\n'
+        '#include "v.h"\nint f() { return FEATURE + V; }\n'
+    )
     a = Tree(tmp_path / "a", toolchain, env, source)
     assert a.compile().returncode == 0
     without = a.obj()
@@ -257,8 +295,13 @@ def test_has_include_probe_sees_a_new_file(live: tuple[LauncherEnv, Path], tmp_p
     assert a.obj() == a.obj("fresh.o")
 
 
-def test_read_only_client_hits_what_a_writer_stored(server: ServerProcess, env_factory: Callable[..., LauncherEnv],
-                                                    tmp_path: Path, toolchain: Toolchain, require_gxx: None) -> None:
+def test_read_only_client_hits_what_a_writer_stored(
+    server: ServerProcess,
+    env_factory: Callable[..., LauncherEnv],
+    tmp_path: Path,
+    toolchain: Toolchain,
+    require_gxx: None,
+) -> None:
     writer = env_factory(server)
     events = tmp_path / "reader.jsonl"
     reader = env_factory(server, writer=False, BUILDVAULT_EVENT_LOG=str(events))

@@ -42,8 +42,9 @@ class Project:
             path.write_text(text)
         return path
 
-    def cc(self, *args: str, launcher: bool = True,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    def cc(
+        self, *args: str, launcher: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         argv = [*GXX, *args]
         if launcher:
             argv = [launcher_command(), *argv]
@@ -63,8 +64,9 @@ def agent_mode(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_project(server: ServerProcess, env_factory: Callable[..., LauncherEnv], tmp_path: Path,
-                 require_gxx: None) -> Callable[[str], Project]:
+def make_project(
+    server: ServerProcess, env_factory: Callable[..., LauncherEnv], tmp_path: Path, require_gxx: None
+) -> Callable[[str], Project]:
     env = env_factory(server)
 
     def make(name: str) -> Project:
@@ -79,8 +81,9 @@ def between(project: Project, agent_mode: str) -> None:
         stop_agent(project.launcher_env)
 
 
-def assert_like_plain_gxx(project: Project, args: list[str], outputs: list[str],
-                          result: subprocess.CompletedProcess[str]) -> None:
+def assert_like_plain_gxx(
+    project: Project, args: list[str], outputs: list[str], result: subprocess.CompletedProcess[str]
+) -> None:
     """The files the launcher left equal what plain g++ leaves (run after, same arguments)."""
     left = {name: (project.root / name).read_bytes() for name in outputs if (project.root / name).exists()}
     for name in outputs:
@@ -94,8 +97,14 @@ def assert_like_plain_gxx(project: Project, args: list[str], outputs: list[str],
         assert left[name] == again[name], f"{name}: the launcher's output differs from plain g++"
 
 
-def two_compiles(project: Project, agent_mode: str, args: list[str], change: Callable[[], object],
-                 outputs: list[str] | None = None, stored: bool = True) -> subprocess.CompletedProcess[str]:
+def two_compiles(
+    project: Project,
+    agent_mode: str,
+    args: list[str],
+    change: Callable[[], object],
+    outputs: list[str] | None = None,
+    stored: bool = True,
+) -> subprocess.CompletedProcess[str]:
     outputs = outputs or ["a.o"]
     first = project.cc(*args)
     assert first.returncode == 0, first.stderr
@@ -111,7 +120,7 @@ def two_compiles(project: Project, agent_mode: str, args: list[str], change: Cal
     return second
 
 
-VALUE_OF_H = 'int f() { return H; }\n'
+VALUE_OF_H = "int f() { return H; }\n"
 
 
 # -- 1. header shadowing ---------------------------------------------------------------------------------------
@@ -122,8 +131,7 @@ def test_header_in_an_earlier_I_dir(make_project: Callable[[str], Project], agen
     t.write("a.cc", '#include "h.h"\n' + VALUE_OF_H)
     t.write("b/h.h", "#define H 2\n")
     (t.root / "a").mkdir()
-    two_compiles(t, agent_mode, ["-Ia", "-Ib", "-c", "a.cc", "-o", "a.o"],
-                 lambda: t.write("a/h.h", "#define H 1\n"))
+    two_compiles(t, agent_mode, ["-Ia", "-Ib", "-c", "a.cc", "-o", "a.o"], lambda: t.write("a/h.h", "#define H 1\n"))
 
 
 def test_header_beside_the_including_header(make_project: Callable[[str], Project], agent_mode: str) -> None:
@@ -131,40 +139,49 @@ def test_header_beside_the_including_header(make_project: Callable[[str], Projec
     t.write("a.cc", '#include "lib/a.h"\n' + VALUE_OF_H)
     t.write("inc/lib/a.h", '#include "b.h"\n')
     t.write("inc/b.h", "#define H 2\n")
-    two_compiles(t, agent_mode, ["-Iinc", "-c", "a.cc", "-o", "a.o"],
-                 lambda: t.write("inc/lib/b.h", "#define H 1\n"))
+    two_compiles(t, agent_mode, ["-Iinc", "-c", "a.cc", "-o", "a.o"], lambda: t.write("inc/lib/b.h", "#define H 1\n"))
 
 
-def test_I_dir_searched_before_isystem_whatever_the_order(make_project: Callable[[str], Project],
-                                                          agent_mode: str) -> None:
+def test_I_dir_searched_before_isystem_whatever_the_order(
+    make_project: Callable[[str], Project], agent_mode: str
+) -> None:
     t = make_project("shadow-isystem")
     t.write("a.cc", "#include <h.h>\n" + VALUE_OF_H)
     t.write("sys/h.h", "#define H 2\n")
     (t.root / "inc").mkdir()
-    two_compiles(t, agent_mode, ["-isystem", "sys", "-Iinc", "-c", "a.cc", "-o", "a.o"],
-                 lambda: t.write("inc/h.h", "#define H 1\n"))
+    two_compiles(
+        t,
+        agent_mode,
+        ["-isystem", "sys", "-Iinc", "-c", "a.cc", "-o", "a.o"],
+        lambda: t.write("inc/h.h", "#define H 1\n"),
+    )
 
 
-def test_forced_include_found_in_the_working_directory_first(make_project: Callable[[str], Project],
-                                                             agent_mode: str) -> None:
+def test_forced_include_found_in_the_working_directory_first(
+    make_project: Callable[[str], Project], agent_mode: str
+) -> None:
     t = make_project("shadow-include")
     t.write("a.cc", VALUE_OF_H)
     t.write("inc/cfg.h", "#define H 2\n")
-    two_compiles(t, agent_mode, ["-include", "cfg.h", "-Iinc", "-c", "a.cc", "-o", "a.o"],
-                 lambda: t.write("cfg.h", "#define H 1\n"))
+    two_compiles(
+        t,
+        agent_mode,
+        ["-include", "cfg.h", "-Iinc", "-c", "a.cc", "-o", "a.o"],
+        lambda: t.write("cfg.h", "#define H 1\n"),
+    )
 
 
 def test_system_header_shadowed_by_a_project_dir(make_project: Callable[[str], Project], agent_mode: str) -> None:
     t = make_project("shadow-system")
     t.write("a.cc", "#include <alloca.h>\n#ifndef H\n#define H 2\n#endif\n" + VALUE_OF_H)
     (t.root / "inc").mkdir()
-    two_compiles(t, agent_mode, ["-Iinc", "-c", "a.cc", "-o", "a.o"],
-                 lambda: t.write("inc/alloca.h", "#define H 1\n"))
+    two_compiles(t, agent_mode, ["-Iinc", "-c", "a.cc", "-o", "a.o"], lambda: t.write("inc/alloca.h", "#define H 1\n"))
 
 
 @pytest.mark.parametrize("variable", ["CPATH", "CPLUS_INCLUDE_PATH"])
-def test_include_path_from_the_environment(make_project: Callable[[str], Project], agent_mode: str,
-                                           variable: str) -> None:
+def test_include_path_from_the_environment(
+    make_project: Callable[[str], Project], agent_mode: str, variable: str
+) -> None:
     t = make_project("shadow-env")
     t.write("a.cc", "#include <h.h>\n" + VALUE_OF_H)
     t.write("c2/h.h", "#define H 2\n")
@@ -179,8 +196,9 @@ def test_include_next_finds_a_new_middle_header(make_project: Callable[[str], Pr
     t.write("i1/h.h", "#include_next <h.h>\n")
     t.write("i3/h.h", "#define H 3\n")
     (t.root / "i2").mkdir()
-    two_compiles(t, agent_mode, ["-Ii1", "-Ii2", "-Ii3", "-c", "a.cc", "-o", "a.o"],
-                 lambda: t.write("i2/h.h", "#define H 2\n"))
+    two_compiles(
+        t, agent_mode, ["-Ii1", "-Ii2", "-Ii3", "-c", "a.cc", "-o", "a.o"], lambda: t.write("i2/h.h", "#define H 2\n")
+    )
 
 
 # -- 2. __has_include ------------------------------------------------------------------------------------------
@@ -195,24 +213,30 @@ def test_has_include_used_only_as_a_test(make_project: Callable[[str], Project],
     two_compiles(t, agent_mode, ["-Iinc", "-c", "a.cc", "-o", "a.o"], lambda: t.write("inc/opt.h", "\n"))
 
 
-def test_has_include_in_a_header_outside_the_roots(make_project: Callable[[str], Project], agent_mode: str,
-                                                   tmp_path: Path) -> None:
+def test_has_include_in_a_header_outside_the_roots(
+    make_project: Callable[[str], Project], agent_mode: str, tmp_path: Path
+) -> None:
     t = make_project("has-include-outside")
     outside = tmp_path / "outside-sdk"
     (outside / "include").mkdir(parents=True)
     (outside / "include" / "sdk.h").write_text(HAS_OPT)
     (outside / "extra").mkdir()
     t.write("a.cc", "#include <sdk.h>\n" + VALUE_OF_H)
-    two_compiles(t, agent_mode, [f"-I{outside}/include", f"-I{outside}/extra", "-c", "a.cc", "-o", "a.o"],
-                 lambda: (outside / "extra" / "opt.h").write_text("\n"))
+    two_compiles(
+        t,
+        agent_mode,
+        [f"-I{outside}/include", f"-I{outside}/extra", "-c", "a.cc", "-o", "a.o"],
+        lambda: (outside / "extra" / "opt.h").write_text("\n"),
+    )
 
 
 # -- 3. the checkout path hidden in an object --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("expression", ['L"" __FILE__', "sizeof(__FILE__)"], ids=["wide-string", "sizeof"])
-def test_path_derived_values_never_hit_in_another_checkout(make_project: Callable[[str], Project], agent_mode: str,
-                                                           expression: str) -> None:
+def test_path_derived_values_never_hit_in_another_checkout(
+    make_project: Callable[[str], Project], agent_mode: str, expression: str
+) -> None:
     source = f"extern const unsigned long n = sizeof({expression});\nconst void* p = {expression};\n"
     if expression.startswith("sizeof"):
         source = f"extern const unsigned long n = {expression};\n"
@@ -232,8 +256,9 @@ def test_path_derived_values_never_hit_in_another_checkout(make_project: Callabl
 # -- 4. files the launcher does not know ------------------------------------------------------------------------
 
 
-def test_assembler_listing_through_Xassembler_is_bypassed(make_project: Callable[[str], Project],
-                                                         agent_mode: str) -> None:
+def test_assembler_listing_through_Xassembler_is_bypassed(
+    make_project: Callable[[str], Project], agent_mode: str
+) -> None:
     t = make_project("listing")
     t.write("a.cc", "int f() { return 1; }\n")
     args = ["-Xassembler", "-adhln=a.lst", "-c", "a.cc", "-o", "a.o"]
@@ -266,8 +291,9 @@ done
 """
 
 
-def test_another_assembler_earlier_on_path(make_project: Callable[[str], Project], agent_mode: str,
-                                          tmp_path: Path) -> None:
+def test_another_assembler_earlier_on_path(
+    make_project: Callable[[str], Project], agent_mode: str, tmp_path: Path
+) -> None:
     t = make_project("assembler")
     t.write("a.cc", "int f() { return 7; }\n")
     fake = tmp_path / "fake-bin"
@@ -284,8 +310,9 @@ def test_another_assembler_earlier_on_path(make_project: Callable[[str], Project
 # -- 5. two compiles writing the same output ----------------------------------------------------------------------
 
 
-def test_concurrent_compiles_to_one_output_store_their_own_objects(make_project: Callable[[str], Project],
-                                                                  agent_mode: str) -> None:
+def test_concurrent_compiles_to_one_output_store_their_own_objects(
+    make_project: Callable[[str], Project], agent_mode: str
+) -> None:
     t = make_project("same-output")
     big = "".join(f"int g{i}(int x) {{ return x * {i} + {i % 7}; }}\n" for i in range(400))
     t.write("x.cc", big + "int which() { return 1; }\n")
@@ -354,11 +381,14 @@ def test_output_directory_removed(make_project: Callable[[str], Project], agent_
 # -- 7. __TIME__ by token pasting ----------------------------------------------------------------------------------
 
 
-def test_time_macro_built_by_token_pasting_is_not_cached(make_project: Callable[[str], Project],
-                                                        agent_mode: str) -> None:
+def test_time_macro_built_by_token_pasting_is_not_cached(
+    make_project: Callable[[str], Project], agent_mode: str
+) -> None:
     t = make_project("pasted-time")
-    t.write("a.cc", "#define CAT2(a, b) a##b\n#define CAT(a, b) CAT2(a, b)\n"
-                    "const char* built() { return CAT(__TI, ME__); }\n")
+    t.write(
+        "a.cc",
+        "#define CAT2(a, b) a##b\n#define CAT(a, b) CAT2(a, b)\nconst char* built() { return CAT(__TI, ME__); }\n",
+    )
     first = t.cc("-c", "a.cc", "-o", "a.o")
     assert first.returncode == 0
     assert t.last_event()["status"] == "BYPASS" and "__TIME__" in str(t.last_event()["reason"]), t.last_event()

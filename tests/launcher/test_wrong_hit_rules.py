@@ -71,10 +71,10 @@ def test_directives_are_read_from_the_text() -> None:
     "text, reason",
     [
         (b'asm(".incbin \\"data.bin\\"");', ".incbin"),
-        (b".include \"macros.s\"\n", "assembler .include"),
+        (b'.include "macros.s"\n', "assembler .include"),
         (b'#pragma GCC dependency "parse.y"\n', "GCC dependency"),
         (b"#if __has_include(HEADER)\n#endif\n", "computed name"),
-        (b"#embed \"x.bin\"\n", "#embed"),
+        (b'#embed "x.bin"\n', "#embed"),
     ],
 )
 def test_reads_the_launcher_cannot_see_are_named(text: bytes, reason: str) -> None:
@@ -86,8 +86,9 @@ def test_reads_the_launcher_cannot_see_are_named(text: bytes, reason: str) -> No
 
 
 def test_search_path_follows_gcc_order_and_drops_I_dirs_that_are_system_dirs(tmp_path: Path) -> None:
-    c = _compile(["g++", "-isystem", "sys", "-Iinc", "-I/usr/include", "-iquote", "q", "-idirafter", "late",
-                  "-c", "a.cc"])
+    c = _compile(
+        ["g++", "-isystem", "sys", "-Iinc", "-I/usr/include", "-iquote", "q", "-idirafter", "late", "-c", "a.cc"]
+    )
     env = {"CPATH": "c1:", "CPLUS_INCLUDE_PATH": "cx"}
     search = includes.search_path(c, str(tmp_path), env, ["/usr/include"])
     t = str(tmp_path)
@@ -104,8 +105,10 @@ def test_snapshot_records_the_places_searched_before_the_header_found(tmp_path: 
     source.write_text('#include "h.h"\n')
     c = _compile(["g++", "-Ia", "-Ib", "-Ic", "-c", "src/m.cc"])
     search = includes.search_path(c, str(tmp_path), {}, [])
-    files = [(str(source), includes.scan_directives(source.read_bytes())),
-             (str(tmp_path / "b" / "h.h"), includes.scan_directives(b""))]
+    files = [
+        (str(source), includes.scan_directives(source.read_bytes())),
+        (str(tmp_path / "b" / "h.h"), includes.scan_directives(b"")),
+    ]
     snap = includes.snapshot(c, str(tmp_path), files, search, {str(source), str(tmp_path / "b" / "h.h")})
     t = str(tmp_path)
     assert snap == {f"{t}/src/h.h": includes.ABSENT, f"{t}/a/h.h": includes.ABSENT}  # c/h.h comes after
@@ -119,8 +122,9 @@ def test_an_absent_path_is_recorded_as_its_first_missing_component(tmp_path: Pat
     source = tmp_path / "m.cc"
     source.write_text("#include <x/y.h>\n")
     search = includes.search_path(c, str(tmp_path), {}, [])
-    snap = includes.snapshot(c, str(tmp_path), [(str(source), includes.scan_directives(source.read_bytes()))],
-                             search, {str(source)})
+    snap = includes.snapshot(
+        c, str(tmp_path), [(str(source), includes.scan_directives(source.read_bytes()))], search, {str(source)}
+    )
     assert snap == {f"{tmp_path}/nope": includes.ABSENT}
 
 
@@ -141,8 +145,18 @@ def test_outputs_go_to_private_temp_names_with_the_original_depfile_target() -> 
     outs = [("/b/out/a.o", "obj"), ("/b/a.d", "dep")]
     argv, temps, depfile = outputs.private_argv(c, outs, "T", "/tmp/agent")
     assert temps == {"/b/out/a.o": "/b/out/.a.o.bv-T.tmp", "/b/a.d": "/b/.a.d.bv-T.tmp"}
-    assert argv == ["g++", "-MD", "-MF", "/b/.a.d.bv-T.tmp", "-o", "/b/out/.a.o.bv-T.tmp", "-c", "a.cc",
-                    "-MQ", "out/a.o"]
+    assert argv == [
+        "g++",
+        "-MD",
+        "-MF",
+        "/b/.a.d.bv-T.tmp",
+        "-o",
+        "/b/out/.a.o.bv-T.tmp",
+        "-c",
+        "a.cc",
+        "-MQ",
+        "out/a.o",
+    ]
     assert depfile == "/b/.a.d.bv-T.tmp"
     plain = _compile(["g++", "-c", "a.cc"])
     argv, temps, depfile = outputs.private_argv(plain, [("/b/a.o", "obj")], "T", "/tmp/agent")
@@ -177,15 +191,14 @@ def test_only_plain_file_paths_are_written_by_the_launcher(tmp_path: Path) -> No
 
 def _prepared(root: str = "/ck") -> Prepared:
     c = _compile(["g++", "-I../inc", "-c", f"{root}/a.cc", "-o", "a.o"])
-    return prepare(c, f"{root}/build", {}, Roots([("SRC", root), ("BUILD", f"{root}/build")]), "id",
-                   parse_platform(""))
+    return prepare(c, f"{root}/build", {}, Roots([("SRC", root), ("BUILD", f"{root}/build")]), "id", parse_platform(""))
 
 
 def test_preprocessed_text_reveals_paths_in_any_form() -> None:
     p = _prepared()
     assert not preprocessed.facts(b'const char* s = "a.cc";\n', p, False).path_dependent
     assert preprocessed.facts(b'const wchar_t* s = L"" "/ck/a.cc";\n', p, False).path_dependent
-    assert preprocessed.facts(b"unsigned n = sizeof(\"../inc/x.h\");\n", p, False).path_dependent
+    assert preprocessed.facts(b'unsigned n = sizeof("../inc/x.h");\n', p, False).path_dependent
     assert preprocessed.facts(b"auto l = __builtin_source_location();\n", p, False).path_dependent
     assert not preprocessed.facts(b'const char* s = "/ck2/a.cc";\n', p, False).path_dependent
 
@@ -210,11 +223,16 @@ def test_preprocess_argv_writes_nothing() -> None:
 
 
 def test_search_list_of_gcc_minus_v() -> None:
-    stderr = ('ignoring nonexistent directory "/nope"\n#include "..." search starts here:\n'
-              "#include <...> search starts here:\n /usr/lib/gcc/x86_64-linux-gnu/12/include\n /usr/include\n"
-              " /System/Library/Frameworks (framework directory)\nEnd of search list.\n")
-    assert parse_search_list(stderr) == ("/usr/lib/gcc/x86_64-linux-gnu/12/include", "/usr/include",
-                                         "/System/Library/Frameworks")
+    stderr = (
+        'ignoring nonexistent directory "/nope"\n#include "..." search starts here:\n'
+        "#include <...> search starts here:\n /usr/lib/gcc/x86_64-linux-gnu/12/include\n /usr/include\n"
+        " /System/Library/Frameworks (framework directory)\nEnd of search list.\n"
+    )
+    assert parse_search_list(stderr) == (
+        "/usr/lib/gcc/x86_64-linux-gnu/12/include",
+        "/usr/include",
+        "/System/Library/Frameworks",
+    )
     assert parse_search_list("no list here\n") is None
 
 

@@ -21,8 +21,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 from server_process import ServerProcess  # type: ignore[import-not-found]  # tests/integration, on sys.path above
 
 __all__ = [
-    "BUILDVAULT", "OPERATOR_STEP", "STATUS", "ServerProcess", "require_buildvault",
-    "Step", "run_step", "runs", "start_step", "step_env", "stop_agent_at",
+    "BUILDVAULT",
+    "OPERATOR_STEP",
+    "STATUS",
+    "ServerProcess",
+    "require_buildvault",
+    "Step",
+    "run_step",
+    "runs",
+    "start_step",
+    "step_env",
+    "stop_agent_at",
     "tree_bytes",
 ]
 
@@ -76,14 +85,21 @@ def step_env(server: ServerProcess | None, agent_dir: Path, run_log: Path, **ext
 
 
 def run_step(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> Step:
-    proc = subprocess.run([str(require_buildvault()), "run", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(require_buildvault()), "run", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     return Step(proc.returncode, proc.stdout, proc.stderr)
 
 
 def start_step(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(require_buildvault()), "run", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [str(require_buildvault()), "run", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def stop_agent_at(sock_path: Path) -> None:

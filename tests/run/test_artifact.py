@@ -13,8 +13,9 @@ from run_harness import BUILDVAULT, ServerProcess, require_buildvault, step_env,
 
 def artifact(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     require_buildvault()
-    return subprocess.run([str(BUILDVAULT), "artifact", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [str(BUILDVAULT), "artifact", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def make_tree(root: Path) -> None:
@@ -107,7 +108,8 @@ def test_pins_roll_back_to_a_golden_version(server: ServerProcess, tmp_path: Pat
 
 
 def test_pinned_version_survives_eviction_and_shows_on_the_status_page(
-    server_factory: Callable[..., ServerProcess], tmp_path: Path,
+    server_factory: Callable[..., ServerProcess],
+    tmp_path: Path,
 ) -> None:
     # Plain LRU: with the eviction hold, pushes quicker than 2 s apart would fill this tiny cap
     # with held entries and be refused (that rule has tests of its own).

@@ -90,7 +90,9 @@ def test_run_agent_off_keeps_every_step_in_process(server: ServerProcess, checko
 
 
 def test_remote_flag_other_than_the_environment_is_served_in_process(
-    server: ServerProcess, checkout: Path, tmp_path: Path,
+    server: ServerProcess,
+    checkout: Path,
+    tmp_path: Path,
 ) -> None:
     env = make_env(server, tmp_path)
     remote = env.pop("BUILDVAULT_REMOTE")
@@ -107,16 +109,18 @@ def test_the_python_IS_front_hits_without_site_and_misses_through_it(
 ) -> None:
     """buildvault-run-fast (what buildvault.cmake starts): python -IS, so no site-packages start-up;
     a hit needs only the standard library, and a miss enters site-packages for the gRPC stack."""
-    written = subprocess.run([str(BUILDVAULT), "run", "--install-fast", str(tmp_path / "bin")],
-                             capture_output=True, text=True, check=True)
+    written = subprocess.run(
+        [str(BUILDVAULT), "run", "--install-fast", str(tmp_path / "bin")], capture_output=True, text=True, check=True
+    )
     fast = Path(written.stdout.strip())
     assert fast == tmp_path / "bin" / "buildvault-run-fast" and fast.read_text().startswith("#!")
     assert fast.read_text().splitlines()[0].endswith(" -IS")
     env = make_env(server, tmp_path)
 
     def run_fast(args: list[str], extra: dict[str, str] | None = None) -> Step:
-        proc = subprocess.run([str(fast), *args], cwd=checkout, env={**env, **(extra or {})},
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [str(fast), *args], cwd=checkout, env={**env, **(extra or {})}, capture_output=True, text=True, timeout=300
+        )
         return Step(proc.returncode, proc.stdout, proc.stderr)
 
     saved = run_fast(op_args("add"))  # a miss: the in-process path, through site.main()

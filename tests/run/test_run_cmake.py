@@ -13,8 +13,13 @@ from run_harness import BUILDVAULT, STATUS, ServerProcess, require_buildvault, r
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "bazel_example"
 OPS = ["flash_attention", "paged_attention", "moe_gating", "moe_dispatch", "grouped_matmul"]
-OP_DIRS = {"flash_attention": "attention", "paged_attention": "attention", "moe_gating": "moe",
-           "moe_dispatch": "moe", "grouped_matmul": "gmm"}
+OP_DIRS = {
+    "flash_attention": "attention",
+    "paged_attention": "attention",
+    "moe_gating": "moe",
+    "moe_dispatch": "moe",
+    "grouped_matmul": "gmm",
+}
 THIRD = "third_party_minicalc"
 
 
@@ -48,9 +53,20 @@ class Project:
         build = checkout / "build"
         if build.exists():
             shutil.rmtree(build)
-        configure = ["cmake", "-S", str(checkout), "-B", str(build), "-G", "Ninja" if shutil.which("ninja") else
-                     "Unix Makefiles", "-DCSRC_CACHED_STEPS=ON", f"-DBUILDVAULT_EXECUTABLE={BUILDVAULT}",
-                     "-DCSRC_STEP_TOOLS=ascendc", f"-DCSRC_TOOLCHAIN_FILES={self.toolchain}", *defines]
+        configure = [
+            "cmake",
+            "-S",
+            str(checkout),
+            "-B",
+            str(build),
+            "-G",
+            "Ninja" if shutil.which("ninja") else "Unix Makefiles",
+            "-DCSRC_CACHED_STEPS=ON",
+            f"-DBUILDVAULT_EXECUTABLE={BUILDVAULT}",
+            "-DCSRC_STEP_TOOLS=ascendc",
+            f"-DCSRC_TOOLCHAIN_FILES={self.toolchain}",
+            *defines,
+        ]
         out = ""
         for argv in (configure, ["cmake", "--build", str(build), "--target", "op_steps", THIRD]):
             proc = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=600)
@@ -92,8 +108,10 @@ def test_operator_steps_and_third_party_build(project: Project) -> None:
     assert runs(project.log) == []
     assert outputs(checkout) == cold
     calc = checkout / "build" / "third_party" / "minicalc" / "bin" / "minicalc"
-    assert subprocess.run([str(calc), "6", "7"], capture_output=True, text=True, check=True).stdout == \
-        "minicalc 6 7: add=13 mul=42\n"
+    assert (
+        subprocess.run([str(calc), "6", "7"], capture_output=True, text=True, check=True).stdout
+        == "minicalc 6 7: add=13 mul=42\n"
+    )
 
     # the checkout copied elsewhere: all hits
     moved = project.checkout("moved/elsewhere")

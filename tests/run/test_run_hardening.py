@@ -47,7 +47,9 @@ def test_damaged_output_blob_is_a_miss_and_rebuilds(server: ServerProcess, check
 
 
 def test_hostile_action_results_are_misses_and_write_nothing_outside(
-    server: ServerProcess, checkout: Path, tmp_path: Path,
+    server: ServerProcess,
+    checkout: Path,
+    tmp_path: Path,
 ) -> None:
     env = make_env(server, tmp_path)
     first = run_step(op_args("add"), checkout, env)
@@ -63,9 +65,11 @@ def test_hostile_action_results_are_misses_and_write_nothing_outside(
     hostile = [
         re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="../x", digest=proto(evil_digest))]),
         re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="out/add/../../../x", digest=proto(evil_digest))]),
-        re_pb2.ActionResult(output_directories=[
-            re_pb2.OutputDirectory(path="out/add", tree_digest=proto(tree_digest)),
-        ]),
+        re_pb2.ActionResult(
+            output_directories=[
+                re_pb2.OutputDirectory(path="out/add", tree_digest=proto(tree_digest)),
+            ]
+        ),
         re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="out/other", digest=proto(evil_digest))]),
     ]
     try:
@@ -84,7 +88,9 @@ def test_hostile_action_results_are_misses_and_write_nothing_outside(
 
 
 def test_four_identical_steps_at_once_run_the_command_once(
-    server: ServerProcess, checkout: Path, tmp_path: Path,
+    server: ServerProcess,
+    checkout: Path,
+    tmp_path: Path,
 ) -> None:
     env = make_env(server, tmp_path)
     script = checkout / "op_step.sh"

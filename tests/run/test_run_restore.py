@@ -42,9 +42,12 @@ def test_absolute_or_escaping_output_is_refused(tmp_path: Path, path: str) -> No
 def test_nothing_written_when_one_blob_is_wrong(tmp_path: Path) -> None:
     good, bad = b"good", b"bad!"
     dg, db = Digest.of(good), Digest.of(bad)
-    result = re_pb2.ActionResult(output_files=[
-        re_pb2.OutputFile(path="a", digest=to_proto(dg)), re_pb2.OutputFile(path="b", digest=to_proto(db)),
-    ])
+    result = re_pb2.ActionResult(
+        output_files=[
+            re_pb2.OutputFile(path="a", digest=to_proto(dg)),
+            re_pb2.OutputFile(path="b", digest=to_proto(db)),
+        ]
+    )
     with pytest.raises(UnusableResult):
         restore(result, str(tmp_path), ["a", "b"], None, Roots([]), fetch_from({dg: good, db: b"BAD!"}))
     assert list(tmp_path.iterdir()) == []

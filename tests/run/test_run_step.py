@@ -20,10 +20,29 @@ def fake_tool(bin_dir: Path, version: str) -> None:
 
 def op_args(op: str, *extra: str) -> list[str]:
     return [
-        "--name", op, "--input", f"ops/{op}.cc", "--recipe-file", "op_step.sh",
-        "--toolchain-file", "toolchain/version.info", "--tool", "ascendc",
-        "--env", "SOC=ascend910b1", "--env", "OP_MODE=release", "--platform", "soc=ascend910b1,cann=8.0.RC3",
-        "--output", f"out/{op}", *extra, "--", "./op_step.sh", f"ops/{op}.cc", f"out/{op}",
+        "--name",
+        op,
+        "--input",
+        f"ops/{op}.cc",
+        "--recipe-file",
+        "op_step.sh",
+        "--toolchain-file",
+        "toolchain/version.info",
+        "--tool",
+        "ascendc",
+        "--env",
+        "SOC=ascend910b1",
+        "--env",
+        "OP_MODE=release",
+        "--platform",
+        "soc=ascend910b1,cann=8.0.RC3",
+        "--output",
+        f"out/{op}",
+        *extra,
+        "--",
+        "./op_step.sh",
+        f"ops/{op}.cc",
+        f"out/{op}",
     ]
 
 
@@ -44,7 +63,9 @@ def make_env(server: ServerProcess | None, tmp_path: Path, **extra: str) -> dict
 
 
 def test_cold_saves_then_clean_rebuild_hits_byte_identical(
-    server: ServerProcess, checkout: Path, tmp_path: Path,
+    server: ServerProcess,
+    checkout: Path,
+    tmp_path: Path,
 ) -> None:
     env = make_env(server, tmp_path)
     assert build(checkout, env) == {"add": "SAVED", "mul": "SAVED"}
@@ -112,8 +133,18 @@ def test_directory_input_walk_excludes_and_symlinks(server: ServerProcess, check
     (lib / "b.h").write_text("int b;\n")
     (lib / "link.h").symlink_to("b.h")
     (lib / "noise.log").write_text("1")
-    args = ["--name", "lib", "--input", "lib", "--output", "out.txt", "--", "sh", "-c",
-            "echo lib >> \"$RUN_LOG\"; cat lib/sub/a.h lib/link.h > out.txt"]
+    args = [
+        "--name",
+        "lib",
+        "--input",
+        "lib",
+        "--output",
+        "out.txt",
+        "--",
+        "sh",
+        "-c",
+        'echo lib >> "$RUN_LOG"; cat lib/sub/a.h lib/link.h > out.txt',
+    ]
     assert run_step(args, checkout, env).status == "SAVED"
     (lib / "noise.log").write_text("2")  # excluded by default: still a hit
     (lib / "junk.tmp").write_text("x")
@@ -139,15 +170,27 @@ def test_output_dir_discovery_and_zero_outputs(server: ServerProcess, checkout: 
     env = make_env(server, tmp_path)
     (checkout / "gen").mkdir()
     (checkout / "gen" / "old.txt").write_text("kept, unchanged\n")
-    args = ["--name", "gen", "--input", "ops/add.cc", "--output-dir", "gen", "--", "sh", "-c",
-            "echo gen >> \"$RUN_LOG\"; cp ops/add.cc gen/new.cc; mkdir -p gen/d; echo x > gen/d/x; ln -sf new.cc gen/l"]
+    args = [
+        "--name",
+        "gen",
+        "--input",
+        "ops/add.cc",
+        "--output-dir",
+        "gen",
+        "--",
+        "sh",
+        "-c",
+        'echo gen >> "$RUN_LOG"; cp ops/add.cc gen/new.cc; mkdir -p gen/d; echo x > gen/d/x; ln -sf new.cc gen/l',
+    ]
     assert run_step(args, checkout, env).status == "SAVED"
     shutil.rmtree(checkout / "gen")
     (checkout / "gen").mkdir()
     step = run_step(args, checkout, env)
     assert step.status == "HIT"
     assert tree_bytes(checkout / "gen") == {
-        "d/x": b"x\n", "l": "link->new.cc", "new.cc": (checkout / "ops" / "add.cc").read_bytes(),
+        "d/x": b"x\n",
+        "l": "link->new.cc",
+        "new.cc": (checkout / "ops" / "add.cc").read_bytes(),
     }
     assert runs(tmp_path / "runs.log") == ["gen"]
     nothing = ["--input", "ops/add.cc", "--output-dir", "gen", "--", "true"]
@@ -159,8 +202,16 @@ def test_output_dir_discovery_and_zero_outputs(server: ServerProcess, checkout: 
 
 def test_failing_command_is_never_stored(server: ServerProcess, checkout: Path, tmp_path: Path) -> None:
     env = make_env(server, tmp_path)
-    args = ["--input", "ops/add.cc", "--output", "o", "--", "sh", "-c",
-            "echo fail >> \"$RUN_LOG\"; echo o > o; echo broken >&2; exit 3"]
+    args = [
+        "--input",
+        "ops/add.cc",
+        "--output",
+        "o",
+        "--",
+        "sh",
+        "-c",
+        'echo fail >> "$RUN_LOG"; echo o > o; echo broken >&2; exit 3',
+    ]
     first = run_step(args, checkout, env)
     assert (first.code, first.status) == (3, "MISS") and "broken" in first.stderr
     second = run_step(args, checkout, env)
@@ -184,7 +235,10 @@ def test_event_log_and_summary(server: ServerProcess, checkout: Path, tmp_path: 
     build(checkout, env)
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["step"], e["status"], e.get("stored", False)) for e in events] == [
-        ("add", "MISS", True), ("mul", "MISS", True), ("add", "HIT", False), ("mul", "HIT", False),
+        ("add", "MISS", True),
+        ("mul", "MISS", True),
+        ("add", "HIT", False),
+        ("mul", "HIT", False),
     ]
     assert all(e["outputs"] == 4 for e in events)  # kernel.o, meta.json, source.copy, kernel.link
     summary = run_step(["--summary", str(log)], checkout, env)

@@ -29,11 +29,14 @@ def blob(n: int, size: int = 4 * KiB) -> tuple[Digest, bytes]:
 
 
 def flip_byte_of(storage: DiskStorage, data: bytes) -> None:
-    """Flip one bit of the stored copy of `data` in LMDB's data file, in place (bit rot)."""
+    """Flip one bit of every copy of `data` in LMDB's data file, in place (bit rot; stale copies of
+    leaf pages stay in free pages, so every copy is flipped to hit the live one)."""
     with open(storage.root / "records" / "data.mdb", "r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
         at = mapped.find(data)
         assert at >= 0
-        mapped[at + len(data) // 2] ^= 0x01
+        while at >= 0:
+            mapped[at + len(data) // 2] ^= 0x01
+            at = mapped.find(data, at + len(data))
 
 
 def data_file_bytes(storage: DiskStorage) -> int:

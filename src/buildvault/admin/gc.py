@@ -217,9 +217,7 @@ def summary(plan: Plan, dry_run: bool) -> str:
     )
 
 
-def run(
-    settings: Settings, max_age: str | None, max_size: str | None, grace: str, dry_run: bool, as_json: bool
-) -> int:
+def run(settings: Settings, max_age: str | None, max_size: str | None, grace: str, dry_run: bool, as_json: bool) -> int:
     """Exit 0 done, 1 the bucket refused or could not be reached, 2 bad input."""
     from buildvault.config import parse_size
 

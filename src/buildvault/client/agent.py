@@ -163,8 +163,12 @@ class Agent:
             return {"op": "bypass", "reason": f"error: {e}"}
         self._ok()
         if DEBUG:
-            print(f"lookup {p.source_abs}: compiler={p.compiler_id[:12]} hit={hit is not None} "
-                  f"{time.perf_counter() - t0:.3f}s", file=sys.stderr, flush=True)
+            print(
+                f"lookup {p.source_abs}: compiler={p.compiler_id[:12]} hit={hit is not None} "
+                f"{time.perf_counter() - t0:.3f}s",
+                file=sys.stderr,
+                flush=True,
+            )
         if hit is not None:
             return hit
         token = uuid.uuid4().hex
@@ -215,9 +219,16 @@ class Agent:
                     dep_bytes = f.read()
         except OSError as e:
             return {"status": "MISS", "reason": f"not-stored: {e}"}
-        job = StoreJob(p, pending.env, dep_bytes.decode("utf-8", "surrogateescape"),
-                       [(path, kind, written[path]) for path, kind in p.outputs], req["stdout"], req["stderr"],
-                       float(req.get("seconds", 0.0)), float(req.get("started", 0.0)))
+        job = StoreJob(
+            p,
+            pending.env,
+            dep_bytes.decode("utf-8", "surrogateescape"),
+            [(path, kind, written[path]) for path, kind in p.outputs],
+            req["stdout"],
+            req["stderr"],
+            float(req.get("seconds", 0.0)),
+            float(req.get("started", 0.0)),
+        )
         if self.sync_store:
             return self._store_job(job)
         mkey = self.hits.manifest_key(p).digest
@@ -265,8 +276,12 @@ class Agent:
         self._ok()
         if DEBUG:
             print(f"store {job.p.source_abs}: {time.perf_counter() - t0:.3f}s", file=sys.stderr, flush=True)
-        return {"status": "MISS", "reason": "stored-exact" if stored.exact else "stored", "digest": str(stored.digest),
-                "outputs": stored.outputs}
+        return {
+            "status": "MISS",
+            "reason": "stored-exact" if stored.exact else "stored",
+            "digest": str(stored.digest),
+            "outputs": stored.outputs,
+        }
 
     def flush(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -416,8 +431,11 @@ def serve(socket_path: str, idle: float) -> int:
                     discard(agent.pending.pop(t).temps)
 
     threading.Thread(target=watchdog, daemon=True).start()
-    print(f"buildvault-cc agent {os.getpid()} listening on {socket_path} (remote {remote}, writer={writer})",
-          file=sys.stderr, flush=True)
+    print(
+        f"buildvault-cc agent {os.getpid()} listening on {socket_path} (remote {remote}, writer={writer})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.serve_forever(poll_interval=0.5)
     finally:

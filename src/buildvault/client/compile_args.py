@@ -29,17 +29,59 @@ SOURCE_LANGUAGES = {
 }
 # -x values we cache (the language decides what the compiler reads, nothing else).
 CACHEABLE_LANGUAGES = frozenset(
-    {"c", "c++", "c-header", "c++-header", "assembler-with-cpp", "cpp-output", "c++-cpp-output", "objective-c",
-     "objective-c++"}
+    {
+        "c",
+        "c++",
+        "c-header",
+        "c++-header",
+        "assembler-with-cpp",
+        "cpp-output",
+        "c++-cpp-output",
+        "objective-c",
+        "objective-c++",
+    }
 )
 
 # Flags whose value is the next argument (when not attached).
 SEPARATE_VALUE = frozenset(
     {
-        "-o", "-x", "-MF", "-MT", "-MQ", "-I", "-D", "-U", "-include", "-imacros", "-isystem",
-        "-idirafter", "-iquote", "-iprefix", "-iwithprefix", "-iwithprefixbefore", "-isysroot",
-        "-A", "--param", "-target", "-arch", "-L", "-l", "-Xassembler", "-Xlinker", "-T", "-u",
-        "-z", "-e", "-F", "--sysroot", "-Xpreprocessor", "-Xclang", "-aux-info", "-MJ", "-B", "-specs",
+        "-o",
+        "-x",
+        "-MF",
+        "-MT",
+        "-MQ",
+        "-I",
+        "-D",
+        "-U",
+        "-include",
+        "-imacros",
+        "-isystem",
+        "-idirafter",
+        "-iquote",
+        "-iprefix",
+        "-iwithprefix",
+        "-iwithprefixbefore",
+        "-isysroot",
+        "-A",
+        "--param",
+        "-target",
+        "-arch",
+        "-L",
+        "-l",
+        "-Xassembler",
+        "-Xlinker",
+        "-T",
+        "-u",
+        "-z",
+        "-e",
+        "-F",
+        "--sysroot",
+        "-Xpreprocessor",
+        "-Xclang",
+        "-aux-info",
+        "-MJ",
+        "-B",
+        "-specs",
     }
 )
 # Flags whose value is a path (separate or attached); used for normalization and include search.
@@ -48,39 +90,159 @@ INCLUDE_DIR_FLAGS = ("-iquote", "-I", "-isystem", "-idirafter")
 
 # Output-changing or input-adding flags we cannot account for: run the compiler untouched.
 _BYPASS_PREFIXES = (
-    "-save-temps", "-fprofile-", "-fauto-profile", "--coverage", "-ftest-coverage", "-fbranch-probabilities",
-    "-gsplit-dwarf", "-fstack-usage", "-fdump-", "-fcallgraph-info", "-aux-info", "-fplugin", "-B", "-specs",
-    "-wrapper", "-###", "-fsanitize-blacklist", "-fsanitize-ignorelist", "-fmodule", "-fmodules", "-Xclang",
-    "-Xpreprocessor", "-MJ", "-fcreate-profile", "-fopt-info", "-frecord-gcc-switches", "-fsave-optimization-record",
-    "-ftime-trace", "-fdiagnostics-format=sarif", "-fdiagnostics-format=json-file", "-fdiagnostics-add-output",
-    "-fdiagnostics-set-output", "-fsanitize-coverage-allowlist", "-fsanitize-coverage-ignorelist",
-    "-fsanitize-coverage-whitelist", "-fsanitize-coverage-blacklist", "-fthinlto-index", "-fdeps-", "-fcompare-debug",
-    "-ftime-report", "-fmem-report", "-fstats", "-iprefix", "-iwithprefix", "-Wp,", "-flto-compression-level",
-    "-F", "-iframework",  # Clang framework search: not modelled by includes.py
+    "-save-temps",
+    "-fprofile-",
+    "-fauto-profile",
+    "--coverage",
+    "-ftest-coverage",
+    "-fbranch-probabilities",
+    "-gsplit-dwarf",
+    "-fstack-usage",
+    "-fdump-",
+    "-fcallgraph-info",
+    "-aux-info",
+    "-fplugin",
+    "-B",
+    "-specs",
+    "-wrapper",
+    "-###",
+    "-fsanitize-blacklist",
+    "-fsanitize-ignorelist",
+    "-fmodule",
+    "-fmodules",
+    "-Xclang",
+    "-Xpreprocessor",
+    "-MJ",
+    "-fcreate-profile",
+    "-fopt-info",
+    "-frecord-gcc-switches",
+    "-fsave-optimization-record",
+    "-ftime-trace",
+    "-fdiagnostics-format=sarif",
+    "-fdiagnostics-format=json-file",
+    "-fdiagnostics-add-output",
+    "-fdiagnostics-set-output",
+    "-fsanitize-coverage-allowlist",
+    "-fsanitize-coverage-ignorelist",
+    "-fsanitize-coverage-whitelist",
+    "-fsanitize-coverage-blacklist",
+    "-fthinlto-index",
+    "-fdeps-",
+    "-fcompare-debug",
+    "-ftime-report",
+    "-fmem-report",
+    "-fstats",
+    "-iprefix",
+    "-iwithprefix",
+    "-Wp,",
+    "-flto-compression-level",
+    "-F",
+    "-iframework",  # Clang framework search: not modelled by includes.py
 )
 # Assembler options (-Wa,X or -Xassembler X) known to change nothing but the object; any other one may
 # write a listing or read a file the launcher does not know (-adhln=, @file, -I, --MD): bypass.
-_SAFE_ASSEMBLER_OPTIONS = ("--noexecstack", "--compress-debug-sections", "--nocompress-debug-sections",
-                           "-mrelax-relocations=", "--generate-missing-build-notes=")
+_SAFE_ASSEMBLER_OPTIONS = (
+    "--noexecstack",
+    "--compress-debug-sections",
+    "--nocompress-debug-sections",
+    "-mrelax-relocations=",
+    "--generate-missing-build-notes=",
+)
 _NATIVE = ("-march=native", "-mtune=native", "-mcpu=native")
 # Flags known to only change the object file (they are part of the key as text).
 _ALLOWED_PREFIXES = (
-    "-D", "-U", "-I", "-W", "-f", "-m", "-O", "-g", "-std=", "-iquote", "-isystem", "-idirafter", "-include",
-    "-imacros", "-isysroot", "--sysroot", "-iprefix", "-iwithprefix", "-pedantic", "--param", "-target", "--target=",
-    "-no-canonical-prefixes", "-nostdinc", "-nostdlib", "-nodefaultlibs", "-static", "-L", "-l", "-Xassembler",
-    "-Xlinker", "-T", "-u", "-z", "-e", "-F", "-arch", "-A", "-x", "-o", "-MF", "-MT", "-MQ",
+    "-D",
+    "-U",
+    "-I",
+    "-W",
+    "-f",
+    "-m",
+    "-O",
+    "-g",
+    "-std=",
+    "-iquote",
+    "-isystem",
+    "-idirafter",
+    "-include",
+    "-imacros",
+    "-isysroot",
+    "--sysroot",
+    "-iprefix",
+    "-iwithprefix",
+    "-pedantic",
+    "--param",
+    "-target",
+    "--target=",
+    "-no-canonical-prefixes",
+    "-nostdinc",
+    "-nostdlib",
+    "-nodefaultlibs",
+    "-static",
+    "-L",
+    "-l",
+    "-Xassembler",
+    "-Xlinker",
+    "-T",
+    "-u",
+    "-z",
+    "-e",
+    "-F",
+    "-arch",
+    "-A",
+    "-x",
+    "-o",
+    "-MF",
+    "-MT",
+    "-MQ",
 )
 _ALLOWED_EXACT = frozenset(
     {
-        "-c", "-pipe", "-pthread", "-w", "-ansi", "-shared", "-rdynamic", "-MD", "-MP", "-H", "-C", "-CC",
-        "-trigraphs", "-undef", "-p", "-pg", "-s", "-x", "-o", "-MF", "-MT", "-MQ", "-P", "-pie", "-no-pie",
-        "-fPIC", "-fpic", "-fPIE", "-fpie", "--version-script",
+        "-c",
+        "-pipe",
+        "-pthread",
+        "-w",
+        "-ansi",
+        "-shared",
+        "-rdynamic",
+        "-MD",
+        "-MP",
+        "-H",
+        "-C",
+        "-CC",
+        "-trigraphs",
+        "-undef",
+        "-p",
+        "-pg",
+        "-s",
+        "-x",
+        "-o",
+        "-MF",
+        "-MT",
+        "-MQ",
+        "-P",
+        "-pie",
+        "-no-pie",
+        "-fPIC",
+        "-fpic",
+        "-fPIE",
+        "-fpie",
+        "--version-script",
     }
 )
 # Environment that reaches the compiler's output or diagnostics: part of the key.
 ENV_ALLOW = (
-    "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "OBJC_INCLUDE_PATH", "OBJCPLUS_INCLUDE_PATH", "GCC_EXEC_PREFIX",
-    "COMPILER_PATH", "SOURCE_DATE_EPOCH", "LANG", "LC_ALL", "LC_CTYPE", "LC_MESSAGES",
+    "CPATH",
+    "C_INCLUDE_PATH",
+    "CPLUS_INCLUDE_PATH",
+    "OBJC_INCLUDE_PATH",
+    "OBJCPLUS_INCLUDE_PATH",
+    "GCC_EXEC_PREFIX",
+    "COMPILER_PATH",
+    "SOURCE_DATE_EPOCH",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
 )
 # Environment that makes the compiler write side files or run twice: bypass.
 ENV_BYPASS = ("DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES", "GCC_EXTRA_DIAGNOSTIC_OUTPUT", "GCC_COMPARE_DEBUG")
@@ -214,10 +376,11 @@ def classify(argv: list[str], env: dict[str, str] | None = None, extra_safe: tup
             forced.append(value)
         elif arg.startswith(("-include", "-imacros")):
             return Bypass(f"attached-value:{arg}")  # the search for it is only modelled for the separate form
-        elif arg in INCLUDE_DIR_FLAGS or (arg.startswith(INCLUDE_DIR_FLAGS) and not arg.startswith(("-include",
-                                                                                                     "-imacros"))):
+        elif arg in INCLUDE_DIR_FLAGS or (
+            arg.startswith(INCLUDE_DIR_FLAGS) and not arg.startswith(("-include", "-imacros"))
+        ):
             flag = arg if arg in INCLUDE_DIR_FLAGS else next(f for f in INCLUDE_DIR_FLAGS if arg.startswith(f))
-            directory = value if arg in INCLUDE_DIR_FLAGS else arg[len(flag):]
+            directory = value if arg in INCLUDE_DIR_FLAGS else arg[len(flag) :]
             if directory.startswith(("=", "$SYSROOT")) or directory.endswith(".hmap"):
                 return Bypass(f"include-dir-not-modelled:{directory}")  # sysroot-relative, or a Clang header map
             include_dirs.append(directory)
@@ -268,7 +431,7 @@ def parse_depfile(text: str) -> list[str]:
         colon = _rule_colon(line)
         if colon < 0:
             continue
-        deps.extend(_split_escaped(line[colon + 1:]))
+        deps.extend(_split_escaped(line[colon + 1 :]))
     seen = set()
     unique = []
     for dep in deps:

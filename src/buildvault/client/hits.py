@@ -45,8 +45,7 @@ class HitFinder:
 
     def manifest_key(self, p: Prepared) -> ActionKey:
         info = self.hasher.info(p.source_abs, p.roots)
-        return action_key(p, {p.roots.layout(p.source_abs): (info.digest, info.executable)}, exact=False,
-                          manifest=True)
+        return action_key(p, {p.roots.layout(p.source_abs): (info.digest, info.executable)}, exact=False, manifest=True)
 
     def lookup(self, p: Prepared, env: dict[str, str]) -> dict[str, Any] | None:
         """The hit reply (outputs already written) or None. Raises OutputChanged, RemoteError."""
@@ -72,8 +71,9 @@ class HitFinder:
         self.manifests[mkey.digest] = entries
         return self._try_entries(p, env, entries, tried, mkey.digest)
 
-    def _try_entries(self, p: Prepared, env: dict[str, str], entries: list[Entry], tried: set[str],
-                     mkey_digest: Digest) -> dict[str, Any] | None:
+    def _try_entries(
+        self, p: Prepared, env: dict[str, str], entries: list[Entry], tried: set[str], mkey_digest: Digest
+    ) -> dict[str, Any] | None:
         for entry in entries:
             fingerprint = json.dumps(entry["inputs"])
             if fingerprint in tried:
@@ -90,8 +90,9 @@ class HitFinder:
                 return hit
         return None
 
-    def _entry_key(self, p: Prepared, env: dict[str, str], entry: Entry, mkey_digest: Digest,
-                   fingerprint: str) -> ActionKey | None:
+    def _entry_key(
+        self, p: Prepared, env: dict[str, str], entry: Entry, mkey_digest: Digest, fingerprint: str
+    ) -> ActionKey | None:
         roots = p.roots
         inputs: dict[str, tuple[Digest, bool]] = {}
         paths = []
@@ -126,8 +127,9 @@ class HitFinder:
             self.key_memo[memo_key] = key
         return key
 
-    def _materialize(self, p: Prepared, key: ActionKey, result: re_pb2.ActionResult,
-                     exact: bool) -> dict[str, Any] | None:
+    def _materialize(
+        self, p: Prepared, key: ActionKey, result: re_pb2.ActionResult, exact: bool
+    ) -> dict[str, Any] | None:
         roots = EXACT if exact else p.roots
         wanted = {os.path.relpath(path, p.cwd): (path, kind) for path, kind in p.outputs}
         files = {f.path: f for f in result.output_files}

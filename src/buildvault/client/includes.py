@@ -75,8 +75,13 @@ def scan_directives(data: bytes) -> Directives:
     for pattern, reason in _UNSEEN_READS:
         if unseen is None and pattern.search(data):
             unseen = reason
-    return Directives(tuple(sorted(quoted)), tuple(sorted(angled)), tuple(sorted(following)),
-                      bool(_COMPUTED_DIRECTIVE.search(data)), unseen)
+    return Directives(
+        tuple(sorted(quoted)),
+        tuple(sorted(angled)),
+        tuple(sorted(following)),
+        bool(_COMPUTED_DIRECTIVE.search(data)),
+        unseen,
+    )
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,12 @@ def search_path(c: Compile, cwd: str, env: dict[str, str], system_dirs: Iterable
                 out.extend(os.path.join(cwd, d or ".") for d in value.split(os.pathsep))
         return out
 
-    system = [*given("-isystem"), *from_env(*_INCLUDE_ENV[1:]), *(os.path.join(cwd, d) for d in system_dirs),
-              *given("-idirafter")]
+    system = [
+        *given("-isystem"),
+        *from_env(*_INCLUDE_ENV[1:]),
+        *(os.path.join(cwd, d) for d in system_dirs),
+        *given("-idirafter"),
+    ]
     system_real = {_real(d) for d in system}
     # GCC drops a non-system dir that is also a system dir: it is searched at its system place only.
     user = [d for d in [*given("-I"), *from_env("CPATH")] if _real(d) not in system_real]
@@ -159,8 +168,9 @@ class _Recorder:
                 return
 
 
-def snapshot(c: Compile, cwd: str, files: list[tuple[str, Directives]], search: SearchPath,
-             inputs: set[str]) -> dict[str, str]:
+def snapshot(
+    c: Compile, cwd: str, files: list[tuple[str, Directives]], search: SearchPath, inputs: set[str]
+) -> dict[str, str]:
     """{path: state} of every place the search for the headers and probes of this compile looks.
 
     `files`: (absolute path as the compiler spelled it, its directives) of every file read, the source
@@ -188,7 +198,7 @@ def snapshot(c: Compile, cwd: str, files: list[tuple[str, Directives]], search: 
                 prefix = d.rstrip("/") + "/"
                 for form in path_forms:
                     if form.startswith(prefix):
-                        rel = form[len(prefix):]
+                        rel = form[len(prefix) :]
                         rec.walk(rel, tuple(d for d, _ in chain[: index + 1]))
                         for here in computed:
                             rec.walk(rel, (here, *(d for d, _ in chain[: index + 1])))

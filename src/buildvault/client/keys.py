@@ -161,8 +161,18 @@ def _norm_path_value(value: str, cwd: str, cwd_root: str | None, roots: Roots, r
     return roots.path_token(absolute)
 
 
-_ATTACHED_PATH_FLAGS = ("--sysroot=", "-include", "-imacros", "-isysroot", "-isystem", "-idirafter", "-iquote", "-MF",
-                        "-I", "-o")
+_ATTACHED_PATH_FLAGS = (
+    "--sysroot=",
+    "-include",
+    "-imacros",
+    "-isysroot",
+    "-isystem",
+    "-idirafter",
+    "-iquote",
+    "-MF",
+    "-I",
+    "-o",
+)
 
 
 def normalize_argv(argv: list[str], cwd: str, roots: Roots, rewritten: list[str]) -> list[str]:
@@ -194,15 +204,22 @@ def normalize_argv(argv: list[str], cwd: str, roots: Roots, rewritten: list[str]
             continue
         for flag in _ATTACHED_PATH_FLAGS:
             if arg.startswith(flag) and len(arg) > len(flag):
-                out.append(flag + value(arg[len(flag):]))
+                out.append(flag + value(arg[len(flag) :]))
                 break
         else:
             out.append(roots.normalize(arg))
     return out
 
 
-def prepare(c: Compile, cwd: str, env: dict[str, str], roots: Roots, compiler_id: str,
-            platform_spec: list[tuple[str, str, bool]], compiler_path: str = "") -> Prepared:
+def prepare(
+    c: Compile,
+    cwd: str,
+    env: dict[str, str],
+    roots: Roots,
+    compiler_id: str,
+    platform_spec: list[tuple[str, str, bool]],
+    compiler_path: str = "",
+) -> Prepared:
     rewritten: list[str] = []
     argv_norm = normalize_argv(c.argv, cwd, roots, rewritten)
     env_norm = sorted((k, roots.normalize(env[k])) for k in ENV_ALLOW if k in env)
@@ -234,8 +251,9 @@ EXACT = Roots([])
 class ActionKey:
     """The serialized Action, Command and input-root Directory messages of one key."""
 
-    def __init__(self, action_digest: Digest, blobs: dict[Digest, bytes], command: re_pb2.Command,
-                 output_rel: list[str]) -> None:
+    def __init__(
+        self, action_digest: Digest, blobs: dict[Digest, bytes], command: re_pb2.Command, output_rel: list[str]
+    ) -> None:
         self.digest = action_digest
         self.blobs = blobs  # Action, Command, Directory messages by digest
         self.command = command

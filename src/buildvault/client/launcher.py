@@ -44,9 +44,25 @@ TYPE_CHECKING = False  # no `import typing` at run time
 if TYPE_CHECKING:
     from typing import Any
 
-_AGENT_MODULES = ("agent.py", "hits.py", "store.py", "keys.py", "includes.py", "outputs.py", "toolchain.py",
-                  "preprocessed.py", "compile_args.py", "remote.py", "roots.py",
-                  "run/agent_step.py", "run/step.py", "run/key.py", "run/outputs.py", "run/tree.py", "run/spec.py")
+_AGENT_MODULES = (
+    "agent.py",
+    "hits.py",
+    "store.py",
+    "keys.py",
+    "includes.py",
+    "outputs.py",
+    "toolchain.py",
+    "preprocessed.py",
+    "compile_args.py",
+    "remote.py",
+    "roots.py",
+    "run/agent_step.py",
+    "run/step.py",
+    "run/key.py",
+    "run/outputs.py",
+    "run/tree.py",
+    "run/spec.py",
+)
 
 
 def _fnv1a(data: bytes) -> int:
@@ -191,7 +207,9 @@ def run_captured(argv: list[str]) -> tuple[int, bytes, bytes, float, float]:
     try:
         try:
             pid = os.posix_spawnp(
-                argv[0], argv, os.environ,
+                argv[0],
+                argv,
+                os.environ,
                 file_actions=[(os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2)],
             )
         except OSError as e:
@@ -274,8 +292,14 @@ def _source_of(argv: list[str]) -> str | None:
 def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None) -> int:
     state = {} if state is None else state
     start = time.monotonic()
-    event: dict[str, Any] = {"status": "BYPASS", "reason": "", "action": None, "outputs": 0, "source": _source_of(argv),
-             "cwd": os.getcwd()}
+    event: dict[str, Any] = {
+        "status": "BYPASS",
+        "reason": "",
+        "action": None,
+        "outputs": 0,
+        "source": _source_of(argv),
+        "cwd": os.getcwd(),
+    }
 
     def finish(code: int) -> int:
         event["seconds"] = round(time.monotonic() - start, 4)
@@ -284,8 +308,10 @@ def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None)
         return code
 
     if not _private(protocol.agent_dir()):
-        _warn(f"buildvault-cc: {protocol.agent_dir()} is not a private directory of this user; compiling locally "
-              "(set BUILDVAULT_AGENT_DIR)")
+        _warn(
+            f"buildvault-cc: {protocol.agent_dir()} is not a private directory of this user; compiling locally "
+            "(set BUILDVAULT_AGENT_DIR)"
+        )
         event["reason"] = "agent-dir-not-private"
         state["ran"] = True
         return finish(run(argv))
@@ -300,8 +326,10 @@ def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None)
             broken = False
         sock = None if broken else connect_agent(spawn=True)
     if sock is None:
-        protocol.warn_once("agent", "buildvault-cc: local agent unavailable; compiling locally (see agent.log in "
-                   f"{protocol.agent_dir()})")
+        protocol.warn_once(
+            "agent",
+            f"buildvault-cc: local agent unavailable; compiling locally (see agent.log in {protocol.agent_dir()})",
+        )
         event["reason"] = "agent-unavailable"
         state["ran"] = True
         return finish(run(argv))
@@ -329,9 +357,19 @@ def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None)
             code, out, err, seconds, started = run_captured(reply["argv"])
             event["status"] = "MISS"
             try:
-                protocol.send(sock, {"op": "done", "token": reply["token"], "exit": code, "stdout": out,
-                                     "stderr": err, "seconds": seconds, "started": started,
-                                     "elapsed": time.monotonic() - start})
+                protocol.send(
+                    sock,
+                    {
+                        "op": "done",
+                        "token": reply["token"],
+                        "exit": code,
+                        "stdout": out,
+                        "stderr": err,
+                        "seconds": seconds,
+                        "started": started,
+                        "elapsed": time.monotonic() - start,
+                    },
+                )
                 result = protocol.recv(sock) or {"reason": "agent-failed", "rerun": True}
             except (OSError, ValueError):
                 result = {"reason": "agent-failed", "rerun": True}

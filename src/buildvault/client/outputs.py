@@ -44,8 +44,9 @@ def temp_name(path: str, token: str) -> str:
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.bv-{token}.tmp")
 
 
-def private_argv(c: Compile, outputs: list[tuple[str, str]], token: str,
-                 tmp_dir: str) -> tuple[list[str], dict[str, str], str]:
+def private_argv(
+    c: Compile, outputs: list[tuple[str, str]], token: str, tmp_dir: str
+) -> tuple[list[str], dict[str, str], str]:
     """The command line that writes every output of `c` to a temp name, {final path: temp path}, and
     where the dependency list will be (without a user dependency file, one is added in `tmp_dir`)."""
     temps = {path: temp_name(path, token) for path, _ in outputs}

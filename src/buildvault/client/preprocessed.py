@@ -57,8 +57,9 @@ def examine(p: Prepared, env: dict[str, str]) -> TextFacts:
     """Run the preprocessor of this compile and look at its text. Raises Uncacheable when the
     output depends on the time of the compile, or the preprocessor cannot be run."""
     try:
-        done = subprocess.run(preprocess_argv(p), cwd=p.cwd, env=env, capture_output=True, timeout=300,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            preprocess_argv(p), cwd=p.cwd, env=env, capture_output=True, timeout=300, stdin=subprocess.DEVNULL
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise Uncacheable(f"preprocessor check failed: {e}") from None
     if done.returncode != 0:

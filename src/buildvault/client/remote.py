@@ -42,7 +42,7 @@ def parse_remote(url: str) -> str:
     url = url.strip()
     for scheme in ("grpc://", "grpcs://"):
         if url.startswith(scheme):
-            url = url[len(scheme):]
+            url = url[len(scheme) :]
     url = url.rstrip("/")
     if not url or ":" not in url:
         raise RemoteError(f"BUILDVAULT_REMOTE={url!r}: want grpc://host:port or grpcs://host:port")
@@ -143,8 +143,9 @@ class Remote:
         """Several UpdateActionResult calls in flight at once."""
         futures = [
             self.ac.UpdateActionResult.future(
-                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d),
-                                                 action_result=r),
+                re_pb2.UpdateActionResultRequest(
+                    instance_name=self.instance, action_digest=to_proto(d), action_result=r
+                ),
                 timeout=self.upload_timeout,
                 metadata=self.metadata,
             )
@@ -162,14 +163,16 @@ class Remote:
         not asked about again: a build's compiles share most headers."""
         now = time.monotonic()
         unique = [
-            d for d in dict.fromkeys(d for d in digests if d.size_bytes > 0)
+            d
+            for d in dict.fromkeys(d for d in digests if d.size_bytes > 0)
             if now - self.present.get(d, -PRESENT_TTL) >= PRESENT_TTL
         ]
         missing: set[Digest] = set()
         for start in range(0, len(unique), 5000):
-            part = unique[start:start + 5000]
-            request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance,
-                                                     blob_digests=[to_proto(d) for d in part])
+            part = unique[start : start + 5000]
+            request = re_pb2.FindMissingBlobsRequest(
+                instance_name=self.instance, blob_digests=[to_proto(d) for d in part]
+            )
             try:
                 response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
             except grpc.RpcError as e:
@@ -223,7 +226,7 @@ class Remote:
         def chunks() -> Iterator[bs_pb2.WriteRequest]:
             offset = 0
             while True:
-                piece = data[offset:offset + CHUNK]
+                piece = data[offset : offset + CHUNK]
                 last = offset + len(piece) >= len(data)
                 yield bs_pb2.WriteRequest(
                     resource_name=name if offset == 0 else "", write_offset=offset, finish_write=last, data=piece

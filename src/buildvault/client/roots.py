@@ -86,7 +86,7 @@ class Roots:
             if path == form:
                 return name, ""
             if path.startswith(form) and path[len(form)] == "/":
-                return name, path[len(form) + 1:]
+                return name, path[len(form) + 1 :]
         return None
 
     def layout(self, path: str) -> str:

@@ -111,8 +111,10 @@ class Storer:
         blobs[stderr_d] = stderr_n
         mkey = self.hits.manifest_key(p)
         entry: Entry = {
-            "inputs": [[p.roots.layout(path), infos[path].digest.hash, infos[path].digest.size_bytes,
-                        infos[path].executable] for path in paths],
+            "inputs": [
+                [p.roots.layout(path), infos[path].digest.hash, infos[path].digest.size_bytes, infos[path].executable]
+                for path in paths
+            ],
             "probes": sorted([p.roots.layout(path), state] for path, state in probes.items()),
             "exact": exact,
         }
@@ -147,14 +149,16 @@ class Storer:
         self.hits.manifests[mkey.digest] = entries
         return Stored(key.digest, len(out_files), exact)
 
-    def _probes(self, p: Prepared, env: dict[str, str], raw: list[str], paths: list[str],
-                infos: dict[str, FileInfo]) -> dict[str, str]:
+    def _probes(
+        self, p: Prepared, env: dict[str, str], raw: list[str], paths: list[str], infos: dict[str, FileInfo]
+    ) -> dict[str, str]:
         """{path: state} of every include-search candidate of this compile (includes.snapshot)."""
         c = p.compile
         system: list[str] = []
         for language in dict.fromkeys((c.language, "c", "c++")):  # g++ compiles a .c file as C++
-            system += self.compilers.system_include_dirs(p.compiler_path or c.argv[0], p.compiler_id, c.argv,
-                                                         language, env)
+            system += self.compilers.system_include_dirs(
+                p.compiler_path or c.argv[0], p.compiler_id, c.argv, language, env
+            )
         search = includes.search_path(c, p.cwd, env, system)
         files = [(r, infos[path].directives) for r, path in zip(raw, paths, strict=True)]
         return includes.snapshot(c, p.cwd, files, search, set(paths))

@@ -24,8 +24,18 @@ DRIVEN_PROGRAMS = ("cc1", "cc1plus", "cc1obj", "cc1objplus", "as")
 # Environment that changes where the driver looks for its programs.
 PROGRAM_ENV = ("GCC_EXEC_PREFIX", "COMPILER_PATH")
 # Flags that can change the compiler's own include dirs (multilib, sysroot, target, -nostdinc).
-_SYSTEM_DIR_FLAGS = ("-m", "-nostdinc", "-nostdlibinc", "--sysroot", "-isysroot", "-target", "--target",
-                     "-stdlib", "--gcc-toolchain", "-std=")
+_SYSTEM_DIR_FLAGS = (
+    "-m",
+    "-nostdinc",
+    "-nostdlibinc",
+    "--sysroot",
+    "-isysroot",
+    "-target",
+    "--target",
+    "-stdlib",
+    "--gcc-toolchain",
+    "-std=",
+)
 _SEPARATE_SYSTEM_DIR_FLAGS = ("--sysroot", "-isysroot", "-target")
 _SIGNATURE_FIELDS = ("st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
 Signature = tuple[int, ...]
@@ -97,8 +107,9 @@ class CompilerIdentity:
                 h.update(self._file_digest(found).encode())
         return h.hexdigest()
 
-    def system_include_dirs(self, path: str, ident: str, argv: list[str], language: str,
-                            env: dict[str, str]) -> tuple[str, ...]:
+    def system_include_dirs(
+        self, path: str, ident: str, argv: list[str], language: str, env: dict[str, str]
+    ) -> tuple[str, ...]:
         """The compiler's own #include <...> dirs for this language and these flags (`-E -v`), asked
         once per (identity, flags). Raises Uncacheable when the compiler does not say."""
         flags = system_dir_flags(argv)
@@ -107,8 +118,14 @@ class CompilerIdentity:
         if cached is not None:
             return cached
         try:
-            done = subprocess.run([path, *flags, f"-x{language}", "-E", "-v", "-"], capture_output=True, timeout=60,
-                                  env=_tool_env(env), stdin=subprocess.DEVNULL, cwd="/")
+            done = subprocess.run(
+                [path, *flags, f"-x{language}", "-E", "-v", "-"],
+                capture_output=True,
+                timeout=60,
+                env=_tool_env(env),
+                stdin=subprocess.DEVNULL,
+                cwd="/",
+            )
         except (OSError, subprocess.TimeoutExpired) as e:
             raise Uncacheable(f"cannot ask the compiler for its include dirs: {e}") from None
         dirs = parse_search_list(done.stderr.decode("utf-8", "surrogateescape"))
@@ -157,8 +174,9 @@ class CompilerIdentity:
 
 def _run_tool(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
     try:
-        return subprocess.run(argv, capture_output=True, timeout=20, env=_tool_env(env), stdin=subprocess.DEVNULL,
-                              cwd="/")
+        return subprocess.run(
+            argv, capture_output=True, timeout=20, env=_tool_env(env), stdin=subprocess.DEVNULL, cwd="/"
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise Uncacheable(f"compiler {argv[1]} failed: {e}") from None
 
@@ -193,7 +211,7 @@ def parse_search_list(stderr: str) -> tuple[str, ...] | None:
     except StopIteration:
         return None
     dirs: list[str] = []
-    for line in lines[start + 1:end]:
+    for line in lines[start + 1 : end]:
         if line.startswith("#include"):
             continue
         d = line.strip().removesuffix(" (framework directory)")

@@ -64,10 +64,14 @@ class LocalWorker:
                 sys.executable,
                 "-m",
                 "buildvault.execution.worker.main",
-                "--server", self.server,
-                "--name", self.name,
-                "--work-dir", str(self.work_dir),
-                "--sandbox", self.sandbox_mode,
+                "--server",
+                self.server,
+                "--name",
+                self.name,
+                "--work-dir",
+                str(self.work_dir),
+                "--sandbox",
+                self.sandbox_mode,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 limit=LINE_LIMIT,
@@ -163,7 +167,5 @@ def build_local_workers(pools: list[PoolSpec], work_root: Path, sandbox: str) ->
         properties = {**host_properties(), **pool.properties}
         for n in range(pool.count):
             name = f"{host}/local-{pool_index}-{n}[{pool.label}]"
-            workers.append(
-                LocalWorker(name, pool.label, properties, work_root / f"pool{pool_index}-w{n}", sandbox)
-            )
+            workers.append(LocalWorker(name, pool.label, properties, work_root / f"pool{pool_index}-w{n}", sandbox))
     return workers

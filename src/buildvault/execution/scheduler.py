@@ -154,9 +154,7 @@ class Scheduler:
                     self.submit(job)
                     return
                 response = re_pb2.ExecuteResponse(
-                    status=status_pb2.Status(
-                        code=code_pb2.UNAVAILABLE, message=f"{lost} ({job.attempts} attempts)"
-                    )
+                    status=status_pb2.Status(code=code_pb2.UNAVAILABLE, message=f"{lost} ({job.attempts} attempts)")
                 )
             if not job.done:
                 job.finish(await self.on_finished(job, response))

@@ -115,8 +115,13 @@ def snapshot(executor: Any, sandbox: str) -> dict[str, Any]:
         "workers": workers,
         "queued": queued,
         "running": [
-            {"action": str(job.action_digest), "worker": name, "attempt": job.attempts,
-             "age_seconds": round(now - job.queued_at, 3), "operations": [op.name for op in job.live_operations()]}
+            {
+                "action": str(job.action_digest),
+                "worker": name,
+                "attempt": job.attempts,
+                "age_seconds": round(now - job.queued_at, 3),
+                "operations": [op.name for op in job.live_operations()],
+            }
             for name, job in running.items()
         ],  # fmt: skip
         "outcomes": dict(stats.outcomes),

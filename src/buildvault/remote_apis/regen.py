@@ -86,10 +86,7 @@ def _grpc_tools_include() -> Path:
     try:
         import grpc_tools  # optional dev dependency: imported only when regenerating
     except ImportError as exc:  # pragma: no cover - environment problem
-        raise RegenError(
-            "grpc_tools is not installed; install the 'dev' extra "
-            "(pip install -e '.[dev]')"
-        ) from exc
+        raise RegenError("grpc_tools is not installed; install the 'dev' extra (pip install -e '.[dev]')") from exc
     include = Path(grpc_tools.__file__).resolve().parent / "_proto"
     if not (include / "google/protobuf/descriptor.proto").is_file():
         raise RegenError(f"grpc_tools well-known protos not found under {include}")

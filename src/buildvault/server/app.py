@@ -202,4 +202,3 @@ class App:
             lines.append(f"  exec   {self.execution.banner()}")
         lines.append(f"  log    {self.settings.log_level}")
         logs.banner(lines)
-

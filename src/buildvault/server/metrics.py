@@ -414,6 +414,7 @@ class Metrics:
 
     def auth_refused(self, protocol: str, reason: str) -> None:
         self.auth_refusals.labels(protocol, reason).inc()
+
     # -- the store boundary (storage.metrics.StoreRecorder) -------------------------------------
     # The client-facing tier's bytes also count per protocol, for the front end that named itself
     # in storage.metrics.REQUEST_PROTOCOL (gRPC does; HTTP still counts its own bytes).

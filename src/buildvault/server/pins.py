@@ -145,8 +145,9 @@ class PinRegistry:
         for namespace, index in sorted(self.indexes.items()):
             for path, tree in sorted(pins.pinned_trees(index).items()):
                 name, _, label = path.partition("/")
-                out.append({"namespace": namespace, "name": name, "label": label,
-                            "tree": f"{tree.hash}/{tree.size_bytes}"})
+                out.append(
+                    {"namespace": namespace, "name": name, "label": label, "tree": f"{tree.hash}/{tree.size_bytes}"}
+                )
         return out
 
 

@@ -79,6 +79,7 @@ REQUEST_KINDS = (
     "MULTIPART_ABORT",
 )
 
+
 class CorruptObject(NotFound):
     """The bucket holds an object under the blob's key whose bytes do not match the digest.
 

@@ -77,9 +77,7 @@ class DaemonThreadPool(concurrent.futures.Executor):
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             self._work.put((future, fn, args, kwargs))
             if not self._idle.acquire(blocking=False) and len(self._threads) < self._max_workers:
-                thread = threading.Thread(
-                    target=self._worker, name=f"{self._prefix}_{len(self._threads)}", daemon=True
-                )
+                thread = threading.Thread(target=self._worker, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
                 thread.start()
                 self._threads.append(thread)
             return future

@@ -31,10 +31,19 @@ def lookup_step(req: Reply, remote: Remote, hasher: FileHasher) -> Reply:
     try:
         restored = step.restore_cached(key, remote)
     except RemoteError as e:
-        return {"op": "bypass", "reason": "remote-unavailable",
-                "warning": f"buildvault run: remote cache unavailable ({e}); running steps uncached"}
+        return {
+            "op": "bypass",
+            "reason": "remote-unavailable",
+            "warning": f"buildvault run: remote cache unavailable ({e}); running steps uncached",
+        }
     if restored is None:
         return {"op": "local", "reason": step.event["reason"]}
     extra = {name: step.event[name] for name in ("outputs", "saved") if name in step.event}
-    return {"op": "hit", "exit": restored.exit, "stdout": restored.stdout, "stderr": restored.stderr,
-            "key": key_text(key), "event": extra}
+    return {
+        "op": "hit",
+        "exit": restored.exit,
+        "stdout": restored.stdout,
+        "stderr": restored.stderr,
+        "key": key_text(key),
+        "event": extra,
+    }

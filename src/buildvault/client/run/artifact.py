@@ -43,8 +43,12 @@ class ArtifactKey:
 def key_tree_files(directory: str) -> list[str] | None:
     """Paths (relative to `directory`) `git ls-files` gives for it, or None outside a git checkout."""
     try:
-        done = subprocess.run(["git", "-C", directory, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                              capture_output=True, check=False, timeout=120)
+        done = subprocess.run(
+            ["git", "-C", directory, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True,
+            check=False,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
@@ -53,8 +57,9 @@ def key_tree_files(directory: str) -> list[str] | None:
     return [n for n in names if os.path.lexists(os.path.join(directory, n))]  # deleted but still in the index
 
 
-def artifact_key(name: str, key_trees: list[str], key_values: list[tuple[str, str]],
-                 platform: list[tuple[str, str]]) -> ArtifactKey:
+def artifact_key(
+    name: str, key_trees: list[str], key_values: list[tuple[str, str]], platform: list[tuple[str, str]]
+) -> ArtifactKey:
     roots = Roots([(f"K{i}", tree) for i, tree in enumerate(key_trees)])
     walker = InputWalker(roots, FileHasher(), list(DEFAULT_EXCLUDES))
     for tree in key_trees:
@@ -92,8 +97,12 @@ def _remote(args: argparse.Namespace, env: Mapping[str, str]) -> Remote:
     if not url:
         raise SpecError("no cache: set BUILDVAULT_REMOTE or --remote")
     timeout = float(env.get("BUILDVAULT_TIMEOUT", "") or 10)
-    return Remote(url, args.instance if args.instance is not None else env.get("BUILDVAULT_INSTANCE", ""),
-                  timeout=timeout, upload_timeout=max(timeout * 6, 60.0))
+    return Remote(
+        url,
+        args.instance if args.instance is not None else env.get("BUILDVAULT_INSTANCE", ""),
+        timeout=timeout,
+        upload_timeout=max(timeout * 6, 60.0),
+    )
 
 
 def _writer(args: argparse.Namespace, env: Mapping[str, str]) -> bool:
@@ -112,8 +121,9 @@ def _pairs(items: list[str], what: str) -> list[tuple[str, str]]:
 
 def _key_from_args(args: argparse.Namespace) -> ArtifactKey:
     platform = [p for text in args.platform for p in parse_platform(text)]
-    return artifact_key(args.name, [os.path.abspath(t) for t in args.key_tree],
-                        _pairs(args.key_value, "--key-value"), platform)
+    return artifact_key(
+        args.name, [os.path.abspath(t) for t in args.key_tree], _pairs(args.key_value, "--key-value"), platform
+    )
 
 
 def _parse_key(text: str) -> Digest:

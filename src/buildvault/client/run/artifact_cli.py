@@ -15,11 +15,21 @@ def add_artifact_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         p.add_argument("--writer", action="store_true", help="write permission (default: BUILDVAULT_WRITER=1)")
         if keyed:
             p.add_argument("name", help="artifact name")
-            p.add_argument("--key-tree", action="append", default=[], metavar="DIR",
-                           help="tree hashed into the key (git ls-files in a git checkout)")
+            p.add_argument(
+                "--key-tree",
+                action="append",
+                default=[],
+                metavar="DIR",
+                help="tree hashed into the key (git ls-files in a git checkout)",
+            )
             p.add_argument("--key-value", action="append", default=[], metavar="K=V", help="a value in the key")
-            p.add_argument("--platform", action="append", default=[], metavar="NAME=VALUE,...",
-                           help="platform properties (arch, toolchain image, ...)")
+            p.add_argument(
+                "--platform",
+                action="append",
+                default=[],
+                metavar="NAME=VALUE,...",
+                help="platform properties (arch, toolchain image, ...)",
+            )
 
     p = sub.add_parser("push", help="store PATHS under the exact key")
     common(p, True)

@@ -22,7 +22,7 @@ def add_run_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
         "run",
         help="run one build step through the cache",
         description="Run CMD as one cached build step: its key is an REAPI Action of the declared inputs, "
-                    "recipe, environment and toolchain; a hit restores the outputs and replays the output.",
+        "recipe, environment and toolchain; a hit restores the outputs and replays the output.",
     )
     add_arguments(run)
     run.add_argument("--summary", nargs="+", metavar="LOG", help="print totals of BUILDVAULT_EVENT_LOG files and exit")

@@ -133,8 +133,9 @@ def tool_version(name: str, env: Mapping[str, str]) -> str:
     run_env = {k: v for k, v in env.items() if k in ("PATH", "HOME", "LD_LIBRARY_PATH")}
     run_env["LC_ALL"] = "C"
     try:
-        done = subprocess.run([path, "--version"], capture_output=True, timeout=30, env=run_env,
-                              stdin=subprocess.DEVNULL, check=False)
+        done = subprocess.run(
+            [path, "--version"], capture_output=True, timeout=30, env=run_env, stdin=subprocess.DEVNULL, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SpecError(f"--tool {name}: --version failed: {e}") from None
     return hashlib.sha256(done.stdout + b"\0" + done.stderr).hexdigest()
@@ -202,8 +203,9 @@ def step_key(spec: StepSpec, env: Mapping[str, str], hasher: FileHasher | None =
     )
     command_data = serialize(command)
     command_digest = Digest.of(command_data)
-    action = re_pb2.Action(command_digest=to_proto(command_digest), input_root_digest=to_proto(root_digest),
-                           platform=platform)
+    action = re_pb2.Action(
+        command_digest=to_proto(command_digest), input_root_digest=to_proto(root_digest), platform=platform
+    )
     action_data = serialize(action)
     digest = Digest.of(action_data)
     blobs[command_digest] = command_data

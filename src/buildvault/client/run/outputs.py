@@ -149,8 +149,9 @@ class _Plan:
     links: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _tree_entries(tree: re_pb2.Tree, base: str, plan_files: list[tuple[str, Digest, bool]],
-                  links: list[tuple[str, str]]) -> None:
+def _tree_entries(
+    tree: re_pb2.Tree, base: str, plan_files: list[tuple[str, Digest, bool]], links: list[tuple[str, str]]
+) -> None:
     children = {Digest.of(serialize(d)): d for d in tree.children}
 
     def walk(d: re_pb2.Directory, prefix: str, depth: int) -> None:
@@ -188,7 +189,7 @@ def _write_file(path: str, data: bytes, executable: bool) -> str:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
     return tmp
@@ -216,17 +217,27 @@ def _place_link(path: str, target: str) -> None:
     os.replace(tmp, path)
 
 
-def restore(result: re_pb2.ActionResult, workdir: str, declared: list[str], discover_under: str | None,
-            roots: Roots, fetch: Fetch) -> int:
+def restore(
+    result: re_pb2.ActionResult,
+    workdir: str,
+    declared: list[str],
+    discover_under: str | None,
+    roots: Roots,
+    fetch: Fetch,
+) -> int:
     """Write the outputs of `result` under `workdir`; the number of files and links restored.
 
     Raises UnusableResult (nothing written) for a path that is not clean and declared, a blob that
     does not match its digest or a Tree that is not one; `fetch` errors propagate as raised."""
     plan = _Plan()
     seen: set[str] = set()
-    named = [f.path for f in result.output_files] + [s.path for s in result.output_symlinks] + \
-        [d.path for d in result.output_directories] + [s.path for s in result.output_file_symlinks] + \
-        [s.path for s in result.output_directory_symlinks]
+    named = (
+        [f.path for f in result.output_files]
+        + [s.path for s in result.output_symlinks]
+        + [d.path for d in result.output_directories]
+        + [s.path for s in result.output_file_symlinks]
+        + [s.path for s in result.output_directory_symlinks]
+    )
     for path in named:
         if not clean_relative(path) or not _allowed(path, declared, discover_under) or path in seen:
             raise UnusableResult(f"cached result names output {path[:200]!r}, which this step does not declare")
@@ -283,10 +294,12 @@ def restore(result: re_pb2.ActionResult, workdir: str, declared: list[str], disc
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             for sub, d, x in dir_files[p]:
-                os.replace(_write_file(os.path.join(tmp, sub[len(p) + 1:]), contents[d], x),
-                           os.path.join(tmp, sub[len(p) + 1:]))
+                os.replace(
+                    _write_file(os.path.join(tmp, sub[len(p) + 1 :]), contents[d], x),
+                    os.path.join(tmp, sub[len(p) + 1 :]),
+                )
             for sub, target in dir_links[p]:
-                _place_link(os.path.join(tmp, sub[len(p) + 1:]), roots.denormalize(target))
+                _place_link(os.path.join(tmp, sub[len(p) + 1 :]), roots.denormalize(target))
             placed.append((tmp, full))
             count += len(dir_files[p]) + len(dir_links[p])
     except BaseException:

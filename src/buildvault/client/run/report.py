@@ -45,8 +45,13 @@ def run_command(spec: StepSpec, env: Mapping[str, str]) -> Ran:
     start = time.monotonic()
     try:
         done = subprocess.run(spec.argv, cwd=spec.workdir, env=dict(env), capture_output=True, check=False)
-        ran = Ran(done.returncode if done.returncode >= 0 else 128 - done.returncode, done.stdout, done.stderr,
-                  started, time.monotonic() - start)
+        ran = Ran(
+            done.returncode if done.returncode >= 0 else 128 - done.returncode,
+            done.stdout,
+            done.stderr,
+            started,
+            time.monotonic() - start,
+        )
     except OSError as e:
         ran = Ran(127, b"", f"buildvault run: cannot run {spec.argv[0]}: {e}\n".encode(), started, 0.0)
     echo(ran.stdout, ran.stderr)
@@ -72,7 +77,12 @@ class StepReport:
         self.env = env
         self.start = time.monotonic()
         self.event: dict[str, Any] = {
-            "kind": "step", "step": spec.label, "status": "BYPASS", "reason": "", "action": None, "outputs": 0,
+            "kind": "step",
+            "step": spec.label,
+            "status": "BYPASS",
+            "reason": "",
+            "action": None,
+            "outputs": 0,
             "cwd": spec.workdir,
         }
         self.key_text: str | None = None  # "hash/size" of the step's Action once known
@@ -88,8 +98,9 @@ class StepReport:
         shown = status
         if status == "SAVED":
             status, extra["stored"] = "MISS", True
-        self.event.update(status=status, reason=reason, exit=code, seconds=round(time.monotonic() - self.start, 4),
-                          **extra)
+        self.event.update(
+            status=status, reason=reason, exit=code, seconds=round(time.monotonic() - self.start, 4), **extra
+        )
         key = self.key_text or "-"
         self.event["action"] = self.key_text
         line = f"{PREFIX} {shown} step={self.spec.label} key={key}"

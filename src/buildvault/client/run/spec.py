@@ -28,19 +28,53 @@ class StepSpec:
     """One step as its options describe it. A plain class, not a dataclass: importing dataclasses
     costs every `buildvault run` front ~20 ms. `as_dict()` gives keyword arguments that rebuild it."""
 
-    FIELDS = ("argv", "workdir", "name", "inputs", "excludes", "recipe_files", "recipe_values", "env", "tools",
-              "toolchain_files", "platform", "roots", "outputs", "output_dir", "remote", "instance", "writer",
-              "timeout", "lock_timeout", "event_log", "disabled")
+    FIELDS = (
+        "argv",
+        "workdir",
+        "name",
+        "inputs",
+        "excludes",
+        "recipe_files",
+        "recipe_values",
+        "env",
+        "tools",
+        "toolchain_files",
+        "platform",
+        "roots",
+        "outputs",
+        "output_dir",
+        "remote",
+        "instance",
+        "writer",
+        "timeout",
+        "lock_timeout",
+        "event_log",
+        "disabled",
+    )
 
     def __init__(
-        self, argv: list[str], workdir: str, name: str = "", inputs: list[str] | None = None,
-        excludes: list[str] | None = None, recipe_files: list[str] | None = None,
-        recipe_values: list[str] | None = None, env: list[tuple[str, str]] | None = None,
-        tools: list[str] | None = None, toolchain_files: list[str] | None = None,
-        platform: list[tuple[str, str]] | None = None, roots: list[str] | None = None,
-        outputs: list[str] | None = None, output_dir: str | None = None, remote: str = "", instance: str = "",
-        writer: bool = False, timeout: float = 5.0, lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
-        event_log: str = "", disabled: bool = False,
+        self,
+        argv: list[str],
+        workdir: str,
+        name: str = "",
+        inputs: list[str] | None = None,
+        excludes: list[str] | None = None,
+        recipe_files: list[str] | None = None,
+        recipe_values: list[str] | None = None,
+        env: list[tuple[str, str]] | None = None,
+        tools: list[str] | None = None,
+        toolchain_files: list[str] | None = None,
+        platform: list[tuple[str, str]] | None = None,
+        roots: list[str] | None = None,
+        outputs: list[str] | None = None,
+        output_dir: str | None = None,
+        remote: str = "",
+        instance: str = "",
+        writer: bool = False,
+        timeout: float = 5.0,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        event_log: str = "",
+        disabled: bool = False,
     ) -> None:
         self.argv = list(argv)
         self.workdir = workdir
@@ -95,26 +129,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--name", default="", help="step name on the status line and in the event log (default: the command)")
     a("--input", action="append", default=[], metavar="PATH", help="input file or directory (repeatable)")
-    a("--exclude", action="append", default=None, metavar="GLOB",
-      help=f"left out when walking input directories (repeatable; default: {' '.join(DEFAULT_EXCLUDES)})")
+    a(
+        "--exclude",
+        action="append",
+        default=None,
+        metavar="GLOB",
+        help=f"left out when walking input directories (repeatable; default: {' '.join(DEFAULT_EXCLUDES)})",
+    )
     a("--recipe-file", action="append", default=[], metavar="PATH", help="script or options file of the recipe")
     a("--recipe-value", action="append", default=[], metavar="TEXT", help="a recipe value that joins the key")
     a("--env", action="append", default=[], metavar="NAME=VALUE", help="set for the command and part of the key")
     a("--tool", action="append", default=[], metavar="NAME", help="tool on PATH whose --version output joins the key")
     a("--toolchain-file", action="append", default=[], metavar="PATH", help="toolchain file hashed into the key")
-    a("--platform", action="append", default=[], metavar="NAME=VALUE,...",
-      help="platform properties (soc=...,cann=...)")
-    a("--normalize-root", action="append", default=[], metavar="[NAME=]DIR",
-      help="another root replaced by a placeholder in the key (the source and build roots always are)")
+    a(
+        "--platform",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE,...",
+        help="platform properties (soc=...,cann=...)",
+    )
+    a(
+        "--normalize-root",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="another root replaced by a placeholder in the key (the source and build roots always are)",
+    )
     a("--workdir", default=None, metavar="DIR", help="where the command runs (default: the current directory)")
     a("--output", action="append", default=[], metavar="PATH", help="output file or directory (repeatable)")
     a("--output-dir", default=None, metavar="DIR", help="outputs: what the command creates or changes in DIR")
     a("--remote", default=None, help="grpc://host:port (default: BUILDVAULT_REMOTE)")
     a("--instance", default=None, help="REAPI instance name (default: BUILDVAULT_INSTANCE)")
-    a("--writer", action=argparse.BooleanOptionalAction, default=None,
-      help="store results on a miss (default: BUILDVAULT_WRITER=1)")
-    a("--lock-timeout", type=float, default=None, metavar="SECONDS",
-      help=f"wait this long for an identical step on this machine (default {DEFAULT_LOCK_TIMEOUT:g})")
+    a(
+        "--writer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store results on a miss (default: BUILDVAULT_WRITER=1)",
+    )
+    a(
+        "--lock-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"wait this long for an identical step on this machine (default {DEFAULT_LOCK_TIMEOUT:g})",
+    )
     a("step_command", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command and its arguments")
 
 

@@ -65,8 +65,9 @@ class Step(StepReport):
             warn_once(f"buildvault run: cannot compute the key ({e}); running the step uncached")
             return self.bypass("key-failed")
         try:
-            self.remote = Remote(spec.remote, spec.instance, timeout=spec.timeout,
-                                 upload_timeout=max(spec.timeout * 4, 20.0))
+            self.remote = Remote(
+                spec.remote, spec.instance, timeout=spec.timeout, upload_timeout=max(spec.timeout * 4, 20.0)
+            )
         except RemoteError as e:
             warn_once(f"buildvault run: {e}; running the step uncached")
             return self.bypass("bad-remote")
@@ -103,23 +104,29 @@ class Step(StepReport):
             count = restore(result, self.spec.workdir, key.output_paths, discover, key.roots, remote.download)
             stdout, stderr = self._streams(result, remote)
         except (UnusableResult, RemoteError, OSError) as e:
-            print(f"buildvault run: cached result of step {self.spec.label} is unusable ({e}); running it",
-                  file=sys.stderr, flush=True)
+            print(
+                f"buildvault run: cached result of step {self.spec.label} is unusable ({e}); running it",
+                file=sys.stderr,
+                flush=True,
+            )
             self.event["reason"] = "unusable-result"
             return None
         self.event["outputs"] = count
         meta = result.execution_metadata
         if meta.HasField("execution_start_timestamp") and meta.HasField("execution_completed_timestamp"):
-            took = (meta.execution_completed_timestamp.ToNanoseconds()
-                    - meta.execution_start_timestamp.ToNanoseconds()) / 1e9
+            took = (
+                meta.execution_completed_timestamp.ToNanoseconds() - meta.execution_start_timestamp.ToNanoseconds()
+            ) / 1e9
             self.event["saved"] = round(max(0.0, took - (time.monotonic() - self.start)), 4)
         return Restored(result.exit_code, key.roots.denormalize_bytes(stdout), key.roots.denormalize_bytes(stderr))
 
     @staticmethod
     def _streams(result: re_pb2.ActionResult, remote: Remote) -> tuple[bytes, bytes]:
         out = []
-        for raw, digest, has in ((result.stdout_raw, result.stdout_digest, result.HasField("stdout_digest")),
-                                 (result.stderr_raw, result.stderr_digest, result.HasField("stderr_digest"))):
+        for raw, digest, has in (
+            (result.stdout_raw, result.stdout_digest, result.HasField("stdout_digest")),
+            (result.stderr_raw, result.stderr_digest, result.HasField("stderr_digest")),
+        ):
             if raw or not has or not digest.hash:
                 out.append(raw)
                 continue
@@ -186,8 +193,10 @@ class Step(StepReport):
         result = collected.result
         blobs = dict(key.blobs)
         blobs.update(collected.blobs)
-        for data, field_name in ((key.roots.normalize_bytes(ran.stdout), "stdout_digest"),
-                                 (key.roots.normalize_bytes(ran.stderr), "stderr_digest")):
+        for data, field_name in (
+            (key.roots.normalize_bytes(ran.stdout), "stdout_digest"),
+            (key.roots.normalize_bytes(ran.stderr), "stderr_digest"),
+        ):
             if data:
                 digest = Digest.of(data)
                 blobs[digest] = data

@@ -73,8 +73,7 @@ class TreeBuilder:
             links.append(link)
         return re_pb2.Directory(
             files=[
-                re_pb2.FileNode(name=n, digest=to_proto(d), is_executable=x)
-                for n, (d, x) in sorted(node.files.items())
+                re_pb2.FileNode(name=n, digest=to_proto(d), is_executable=x) for n, (d, x) in sorted(node.files.items())
             ],
             directories=subdirs,
             symlinks=links,

@@ -24,9 +24,7 @@ class ActionCacheService:
         self.cache = cache
 
     @rpc("GetActionResult")
-    async def GetActionResult(
-        self, request: re_pb2.GetActionResultRequest, context: Context
-    ) -> re_pb2.ActionResult:
+    async def GetActionResult(self, request: re_pb2.GetActionResultRequest, context: Context) -> re_pb2.ActionResult:
         instance_name, digest = _action(request)
         return await self.cache.get(
             instance_name,

@@ -208,9 +208,7 @@ class Upload:
 class Uploads:
     """The uploads in progress, by resource name, and the recently finished ones."""
 
-    def __init__(
-        self, blobs: BlobStore, grace: float = DEFAULT_UPLOAD_GRACE, max_detached: int = MAX_DETACHED
-    ) -> None:
+    def __init__(self, blobs: BlobStore, grace: float = DEFAULT_UPLOAD_GRACE, max_detached: int = MAX_DETACHED) -> None:
         self.blobs = blobs
         self.grace = grace
         self.max_detached = max_detached
@@ -320,9 +318,7 @@ class ByteStreamService:
         logs.note(bytes=sent)
 
     @rpc("Write")
-    async def Write(
-        self, requests: AsyncIterator[bs_pb2.WriteRequest], context: Context
-    ) -> bs_pb2.WriteResponse:
+    async def Write(self, requests: AsyncIterator[bs_pb2.WriteRequest], context: Context) -> bs_pb2.WriteResponse:
         iterator = requests.__aiter__()
         try:
             first = await iterator.__anext__()

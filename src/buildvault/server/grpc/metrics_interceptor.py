@@ -21,6 +21,7 @@ __all__ = ["MetricsInterceptor", "grpc_labels"]
 
 _GRPC_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
+
 def grpc_labels(full_method: str) -> tuple[str, str]:
     """`/pkg.Service/Method` -> (method label, kind label), both from fixed sets."""
     _, _, rest = full_method.partition("/")
@@ -111,9 +112,7 @@ def _replace(handler: Any, **behaviour: Any) -> Any:
                    response_serializer=handler.response_serializer)  # fmt: skip
 
 
-def _wrap_unary_response(
-    behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str
-) -> Callable[..., Any]:
+def _wrap_unary_response(behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str) -> Callable[..., Any]:
     """unary_unary and stream_unary handlers."""
 
     async def wrapper(request: Any, context: Any) -> Any:

@@ -86,8 +86,9 @@ def charts(samples: Sequence[Sample]) -> str:
     return "\n".join(
         [
             line_chart("AC hit ratio", [("hits", _hit_ratios(samples))], "%", top=100.0),
-            line_chart("CAS bytes/s", [("in", _rates(samples, "bytes_in")), ("out", _rates(samples, "bytes_out"))],
-                       "B/s"),
+            line_chart(
+                "CAS bytes/s", [("in", _rates(samples, "bytes_in")), ("out", _rates(samples, "bytes_out"))], "B/s"
+            ),
             line_chart("Disk use", [("used", used), ("cap", cap)], "B"),
             line_chart("Upload backlog", [("entries", backlog)], ""),
         ]

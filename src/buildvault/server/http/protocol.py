@@ -82,7 +82,7 @@ def content_length(request: web.Request) -> int:
 
 
 def content_encoding(request: web.Request) -> str:
-    """"identity" or "zstd"; 415 for any other Content-Encoding."""
+    """ "identity" or "zstd"; 415 for any other Content-Encoding."""
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding in ("", "identity"):
         return "identity"

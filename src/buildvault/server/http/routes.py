@@ -72,6 +72,5 @@ def parse_cache_path(raw_path: str) -> CachePath:
     if len(segments) >= 2 and segments[-2] in ("ac", "cas"):
         raise InvalidDigest(f"invalid SHA-256 hash {last[:100]!r}: want 64 lowercase hex digits")
     raise InvalidDigest(
-        f"invalid path {raw_path[:100]!r}: want /[instance/]ac/<sha256>, /[instance/]cas/<sha256> "
-        "or a ccache key path"
+        f"invalid path {raw_path[:100]!r}: want /[instance/]ac/<sha256>, /[instance/]cas/<sha256> or a ccache key path"
     )

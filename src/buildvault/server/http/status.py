@@ -94,8 +94,9 @@ class StatusPages:
         """`GET /status/history`: the charts' samples, oldest first."""
         request[REQUEST_KIND] = "status"
         await self.history.sample(min_gap=1.0)
-        return web.json_response({"interval_seconds": self.history.interval,
-                                  "samples": [s.as_dict() for s in self.history.samples]})
+        return web.json_response(
+            {"interval_seconds": self.history.interval, "samples": [s.as_dict() for s in self.history.samples]}
+        )
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         request[REQUEST_KIND] = "metrics"

@@ -25,8 +25,8 @@ contiguous overflow pages, and the free runs fragment). `charge` is what a recor
 store's size cap: 1.5 times its overflow pages, or twice its node for a value that fits in a
 leaf page (leaf pages may be half full), so the cap holds on disk: measured under a 4 MiB cap
 with 4 KiB blobs, sizes random up to 4 or 16 KiB, and mixes of 4 KiB with 8, 12 or 16 KiB, the
-data file stayed at 0.74-0.87 of the cap (bench/RESULTS.md). The map is sized from the cap with headroom; a full map or a
-full disk is ENOSPC (StorageFull).
+data file stayed at 0.74-0.87 of the cap (bench/RESULTS.md). The map is sized from the cap with
+headroom; a full map or a full disk is ENOSPC (StorageFull).
 
 Every function here runs in a worker thread; they are looked up through this module at call
 time, so a test can inject a fault.
@@ -82,7 +82,7 @@ def charge(key: bytes, size: int) -> int:
     return pages * PAGE * 3 // 2 + 2 * (_NODE_HEADER + len(key) + 8 + 2)
 
 
-def _crc(data: bytes | memoryview) -> bytes:
+def crc_of(data: bytes | memoryview) -> bytes:
     return zlib.crc32(data).to_bytes(4, "little")
 
 
@@ -161,7 +161,7 @@ def put_many(records: Records, items: list[PutItem], stale_files: list[str] | No
             except Exception as e:  # that item's outcome
                 outcomes[i] = e
                 continue
-        good.append((key, _crc(data) + data))
+        good.append((key, crc_of(data) + data))
     if good:
         try:
             commit(records, good)
@@ -192,7 +192,7 @@ def check_record(key: bytes, value: bytes | memoryview, digest: Digest | None) -
     if len(value) < _CRC:
         return False
     data = value[_CRC:]
-    if _crc(data) != bytes(value[:_CRC]):
+    if crc_of(data) != bytes(value[:_CRC]):
         return False
     if key[0] == AC_TAG:
         return True
@@ -263,6 +263,22 @@ def sizes_with_prefix(records: Records, prefix: bytes) -> list[int]:
                 if len(key) == len(prefix) + SIZE_BYTES:
                     sizes.append(int.from_bytes(key[len(prefix) :], "big"))
     return sizes
+
+
+def namespaces(records: Records) -> list[str]:
+    """The namespaces of the action entry records, one cursor seek per namespace."""
+    found: list[str] = []
+    with records.live.begin(buffers=True) as txn:
+        cursor = txn.cursor()
+        at = bytes([AC_TAG])
+        while cursor.set_range(at):
+            key = bytes(cursor.key())
+            if key[0] != AC_TAG:
+                break
+            end = key.index(b"\x00")
+            found.append(key[1:end].decode())
+            at = key[:end] + b"\x01"  # past every key of this namespace
+    return found
 
 
 def keys_and_sizes(records: Records) -> Iterator[tuple[bytes, int]]:

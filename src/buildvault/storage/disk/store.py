@@ -254,8 +254,11 @@ class DiskStorage:
         await self._syncer.sync()
 
     async def namespaces(self) -> list[str]:
-        """The AC namespaces that have a directory in the store (pins are looked for in each)."""
-        return list(await self._core.io(layout.ac_namespaces, self._core.layout, what="listing namespaces"))
+        """The AC namespaces that have a directory or a record in the store (pins are looked for in each)."""
+        core = self._core
+        on_disk = await core.io(layout.ac_namespaces, core.layout, what="listing namespaces")
+        in_records = await core.io(records.namespaces, core.records, what="listing namespaces")
+        return sorted(set(on_disk) | set(in_records))
 
     def protect(self, blobs: Iterable[Digest], actions: Iterable[tuple[str, Digest]]) -> None:
         """Replace the set of entries eviction must skip (pinned versions: their blobs and action
