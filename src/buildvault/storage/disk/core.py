@@ -28,6 +28,12 @@ from buildvault.storage.disk.layout import AcKeys, Layout, dir_id
 
 log = logging.getLogger("buildvault.storage.disk")
 
+# Incoming chunks are gathered to this size before one thread hop hashes and writes them:
+# Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
+WRITE_BATCH = 1 << 20
+# Blobs and entries up to this size are written and read whole, and their file operations are
+# coalesced (coalescer.py).
+SMALL_OP = WRITE_BATCH
 # Hashes remembered for a re-check; beyond this the oldest are forgotten (the entry then heals at
 # its next read instead).
 MAX_SUSPECTS = 4096

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from itertools import accumulate
 from typing import NamedTuple
 
+from buildvault.storage.disk import layout
+from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.fileops import replace_durably
 
 log = logging.getLogger("buildvault.storage.disk")
@@ -130,3 +132,26 @@ def write_snapshot(
     ]
     body = b"".join(parts)
     replace_durably(tmp_dir, path, [body, zlib.crc32(body).to_bytes(4, "little")])
+
+
+async def take(core: Core, *, quiesced: bool) -> None:
+    """Write the snapshot of `core`'s index; copying the keys is the only event-loop work. With
+    `quiesced` (close: nothing in flight) no directory is too recent to be trusted."""
+    index = core.index
+    keys, ticks = list(index.entries), list(index.entries.values())
+    ac_sizes, used = list(index.ac_sizes.items()), index.used
+    # The keys match LMDB's current transaction only if no record write or delete is under way
+    # (their index updates come with their completion): otherwise start-up compares them.
+    txnid = 0 if core.publishing or core.deleting else core.records.txnid()
+    dirty = core.dirs_in_flight()
+    index.tracking = dirty  # index changes from now until the directories are stat'ed
+    try:
+        racy_ns = 0 if quiesced else layout.RACY_NS
+        dirs = await core.io(layout.leaf_dirs, core.layout, racy_ns, what="reading directory times")
+    finally:
+        index.tracking = None
+    dirty |= core.dirs_in_flight()
+    recorded = {dir_id: -1 if dir_id in dirty else mtime for dir_id, (_path, mtime) in dirs.items()}
+    where = core.layout
+    args = (where.tmp_dir, where.snapshot_path, keys, ticks, ac_sizes, used, recorded, txnid)
+    await core.io(write_snapshot, *args, what="writing the LRU snapshot")

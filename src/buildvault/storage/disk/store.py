@@ -209,35 +209,8 @@ class DiskStorage:
     async def _checkpoint(self, *, quiesced: bool) -> None:
         if self._closed:
             raise StorageError("disk store is closed")
-        core = self._core
-        index = core.index
         async with self._checkpointing:
-            keys, ticks = list(index.entries), list(index.entries.values())
-            ac_sizes, used = list(index.ac_sizes.items()), index.used
-            # The keys match LMDB's current transaction only if no record write or delete is under
-            # way (their index updates come with their completion): otherwise start-up compares.
-            txnid = 0 if core.publishing or core.deleting else core.records.txnid()
-            dirty = core.dirs_in_flight()
-            index.tracking = dirty  # index changes from now until the directories are stat'ed
-            try:
-                racy_ns = 0 if quiesced else layout.RACY_NS
-                dirs = await core.io(layout.leaf_dirs, core.layout, racy_ns, what="reading directory times")
-            finally:
-                index.tracking = None
-            dirty |= core.dirs_in_flight()
-            recorded = {dir_id: -1 if dir_id in dirty else mtime for dir_id, (_path, mtime) in dirs.items()}
-            await core.io(
-                snapshot.write_snapshot,
-                core.layout.tmp_dir,
-                core.layout.snapshot_path,
-                keys,
-                ticks,
-                ac_sizes,
-                used,
-                recorded,
-                txnid,
-                what="writing the LRU snapshot",
-            )
+            await snapshot.take(self._core, quiesced=quiesced)
 
     async def _checkpoint_loop(self, interval: float) -> None:
         while True:

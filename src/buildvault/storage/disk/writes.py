@@ -18,22 +18,17 @@ import logging
 from collections.abc import AsyncIterable, Sequence
 from typing import Any
 
-from buildvault.digest import Digest, InvalidDigest, new_hasher
-from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, StorageFull, single_chunk
-from buildvault.storage.disk import fileops, healing, records
-from buildvault.storage.disk.core import Core
+from buildvault.digest import Digest, new_hasher
+from buildvault.storage import CapacityExceeded, DigestMismatch, StorageFull
+from buildvault.storage.disk import batches, fileops, healing, records
+from buildvault.storage.disk.core import SMALL_OP, WRITE_BATCH, Core
 from buildvault.storage.disk.index import Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key
 from buildvault.storage.disk.records import held
 
 log = logging.getLogger("buildvault.storage.disk")
 
-# Incoming chunks are gathered to this size before one thread hop hashes and writes them:
-# Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
-WRITE_BATCH = 1 << 20
-# Blobs and entries up to this size are written and read whole, and their file operations are
-# coalesced (coalescer.py).
-SMALL_OP = WRITE_BATCH
+__all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
 
 
 class Writer:
@@ -65,109 +60,8 @@ class Writer:
         await self._store(key, None, len(data), data, f"{namespace!r} entry {digest}", replace=True)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        """Whole blobs (BatchUpdateBlobs). The common case (small, new, room without evicting,
-        no other write of the same blob in flight) is reserved and claimed here and written in one
-        coalesced operation; any other goes the one-by-one way. Like _store_small, a submitted
-        write completes and is indexed even if the caller is cancelled."""
-        core = self.core
-        core.check_open()
-        if core.suspects:
-            await healing.recheck(core, healing.named(core, (digest for digest, _ in items)))
-        index = core.index
-        entries = index.entries
-        publishing = core.publishing
-        outcomes: list[Exception | None] = [None] * len(items)
-        batch: list[tuple[str, str, bytes, Digest | None]] = []
-        claimed: list[_Claim] = []
-        record_batch: list[records.PutItem] = []
-        record_claimed: list[_Claim] = []
-        limit = index.limit
-        others: list[int] = []
-        contended: set[int] = set()
-        loop = asyncio.get_running_loop()
-        tmp_dir, path = core.layout.tmp_dir, core.layout.path
-        for i, (digest, data) in enumerate(items):
-            size = digest.size_bytes
-            try:
-                key = cas_key(digest)
-            except InvalidDigest as e:
-                outcomes[i] = e
-                continue
-            if key in entries:
-                index.touch(key)  # stored and verified already: the bytes need not be read
-                continue
-            if key in publishing or key in core.deleting:
-                contended.add(i)  # e.g. the same blob twice in one batch: these bytes get checked too
-                others.append(i)
-                continue
-            record = size <= limit and held(limit, key, size)
-            cost = records.charge(key, size) if record else size
-            if len(data) != size or size > SMALL_OP or index.used + index.reserved + cost > index.max_size:
-                others.append(i)
-                continue
-            reservation = Reservation(index, cost)
-            done: asyncio.Future[None] = loop.create_future()
-            publishing[key] = done
-            if record:
-                record_batch.append((key, bytes(data), digest))
-                record_claimed.append((i, key, size, reservation, done))
-            else:
-                batch.append((tmp_dir, path(key), bytes(data), digest))
-                claimed.append((i, key, size, reservation, done))
-        futures = []
-        if record_batch:
-            nbytes = sum(len(item[1]) for item in record_batch)
-            future = core.ops.submit(records.put_many, (core.records, record_batch), nbytes)
-            futures.append(self._settle_group(future, record_claimed, outcomes))
-        if batch:
-            future = core.ops.submit(fileops.write_many, (batch,), sum(len(item[2]) for item in batch))
-            futures.append(self._settle_group(future, claimed, outcomes))
-        if futures:
-            await asyncio.shield(asyncio.gather(*futures, return_exceptions=True))
-            for i, *_rest in [*record_claimed, *claimed]:
-                error = outcomes[i]
-                if isinstance(error, OSError):
-                    outcomes[i] = fileops.storage_error(error, f"writing {items[i][0]}")
-        if others:
-
-            async def one(i: int) -> Exception | None:
-                digest, data = items[i]
-                try:
-                    if i in contended and len(data) == digest.size_bytes <= SMALL_OP:
-                        await core.ops.submit(fileops.check_hash, (bytes(data), digest))
-                    await self.write(digest, single_chunk(data))
-                    return None
-                except Exception as e:  # that blob's outcome
-                    return e
-
-            for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others)), strict=True):
-                outcomes[i] = outcome
-        return outcomes
-
-    def _settle_group(
-        self, future: asyncio.Future[list[Exception | None]], claimed: list[_Claim], outcomes: list[Exception | None]
-    ) -> asyncio.Future[list[Exception | None]]:
-        """When one coalesced write of several entries is done: index each written one, record the
-        others' errors in `outcomes`, release the claims (runs even if the caller is cancelled)."""
-        index = self.core.index
-        publishing = self.core.publishing
-
-        def finished(future: asyncio.Future[list[Exception | None]]) -> None:
-            results = None if future.cancelled() else (future.exception() or future.result())
-            for n, (i, key, size, reservation, done) in enumerate(claimed):
-                error = results if isinstance(results, BaseException) else None if results is None else results[n]
-                try:
-                    if results is not None and error is None:
-                        index.indexed(key, reservation, size)
-                    else:
-                        outcomes[i] = error if isinstance(error, Exception) else StorageError("write abandoned")
-                finally:
-                    reservation.release()
-                    del publishing[key]
-                    done.set_result(None)
-
-        future.add_done_callback(finished)
-        return future
+        """Whole blobs (BatchUpdateBlobs): batches.py."""
+        return await batches.write_blobs(self, items)
 
     async def _reserve(self, size: int, what: object) -> Reservation:
         """Promise `size` bytes to a write, evicting first, so the total on disk stays under max_size."""
@@ -404,9 +298,6 @@ class Writer:
             await asyncio.shield(future)
         except OSError as e:
             raise fileops.storage_error(e, f"writing {what}") from e
-
-
-_Claim = tuple[int, bytes, int, Reservation, "asyncio.Future[None]"]  # item, key, size, reservation, done
 
 
 def _write_small_replacing(recs: records.Records, stale: list[bytes], *args: Any) -> None:
