@@ -60,7 +60,7 @@ def make_template(template: Path, dest: Path, libs: int, nonce: int) -> None:
             f"std::string name{i}() {{\n"
             f'  std::vector<std::string> parts{{"lib", "{i}", "{nonce}"}};\n'
             f"  std::sort(parts.begin(), parts.end());\n"
-            f'  std::string out; for (const auto& p : parts) out += p; return out;\n}}\n'
+            f"  std::string out; for (const auto& p : parts) out += p; return out;\n}}\n"
         )
         deps = f', deps = [":l{dep}"]' if dep is not None else ""
         build.append(f'cc_library(name = "l{i}", srcs = ["l{i}.cc"], hdrs = ["l{i}.h"]{deps})')
@@ -75,9 +75,7 @@ def make_template(template: Path, dest: Path, libs: int, nonce: int) -> None:
     (gen / "BUILD").write_text("\n".join(build) + "\n")
 
 
-def run(
-    backends: dict[str, dict[str, Any]], workdir: Path, libs: int = 60, reps: int = 3, log=print
-) -> dict[str, Any]:
+def run(backends: dict[str, dict[str, Any]], workdir: Path, libs: int = 60, reps: int = 3, log=print) -> dict[str, Any]:
     """backends: name -> {"remote_cache": "grpc://..."} or {"disk_cache": Path}. Returns the figures."""
     from bazel_harness import BazelWorkspace  # tests/e2e: real Bazel driver
 
@@ -103,7 +101,7 @@ def run(
             elif executed != spawns:
                 raise AssertionError(f"cold build via {name} executed {executed} spawns, expected {spawns}")
         for rep in range(reps):
-            order = names[rep % len(names):] + names[: rep % len(names)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 ws = workspaces[name]
                 ws.clean()

@@ -87,7 +87,8 @@ def buildgrid_version(venv: Path) -> str | None:
         return None
     probe = subprocess.run(
         [str(python), "-c", "import importlib.metadata as m; print(m.version('buildgrid'))"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     return probe.stdout.strip() if probe.returncode == 0 and servers.buildgrid_bgd(venv).exists() else None
 
@@ -103,8 +104,16 @@ def ensure_buildgrid(venv: Path, version: str | None, upgrade: bool, python: str
     requirement = f"buildgrid=={version}" if version else "buildgrid"
     log(f"pip install {requirement} into {venv.relative_to(ROOT)}")
     subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-         *(["--upgrade"] if upgrade or not version else []), requirement],
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            *(["--upgrade"] if upgrade or not version else []),
+            requirement,
+        ],
         check=True,
     )
     installed = buildgrid_version(venv)
@@ -151,8 +160,16 @@ def start(name: str, data_dir: Path, log_path: Path, bucket: bool = False) -> se
 
 def run_harness(server: servers.Server, args: argparse.Namespace, out: Path, log_path: Path) -> dict[str, Any]:
     argv = [
-        sys.executable, str(HARNESS), "--target", server.address, "--server-pid", str(server.pid),
-        "--label", server.name, "--json-out", str(out),
+        sys.executable,
+        str(HARNESS),
+        "--target",
+        server.address,
+        "--server-pid",
+        str(server.pid),
+        "--label",
+        server.name,
+        "--json-out",
+        str(out),
     ]
     if args.quick:
         argv.append("--quick")
@@ -210,8 +227,9 @@ def machine_info() -> dict[str, str]:
 
 def git_revision() -> str:
     probe = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=ROOT,
-                           capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", "src"], cwd=ROOT, capture_output=True, text=True
+    )
     revision = probe.stdout.strip() or "unknown"
     return revision + (" (+ uncommitted changes under src/)" if dirty.stdout.strip() else "")
 
@@ -237,8 +255,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> tuple[list[str], dict[st
                 if scenario not in table:
                     order.append(scenario)
                     table[scenario] = {
-                        "unit": row["unit"], "higher": row["higher_is_better"],
-                        "values": {s: [None] * reps for s in names}, "errors": [],
+                        "unit": row["unit"],
+                        "higher": row["higher_is_better"],
+                        "values": {s: [None] * reps for s in names},
+                        "errors": [],
                     }
                 entry = table[scenario]
                 entry["unit"] = entry["unit"] or row["unit"]
@@ -288,8 +308,13 @@ def span(values: tuple[float | None, float | None, float | None], digits: int = 
 
 
 def write_report(
-    path: Path, args: argparse.Namespace, command: str, runs: dict[str, list[dict[str, Any]]],
-    bazel: dict[str, Any] | None, bazel_error: str | None, meta: dict[str, Any],
+    path: Path,
+    args: argparse.Namespace,
+    command: str,
+    runs: dict[str, list[dict[str, Any]]],
+    bazel: dict[str, Any] | None,
+    bazel_error: str | None,
+    meta: dict[str, Any],
 ) -> None:
     order, table = summarize(runs)
     names = list(runs)
@@ -326,8 +351,10 @@ def write_report(
         "## REAPI scenarios",
         "",
         "| scenario | unit | buildvault median (min–max) | "
-        + " | ".join(f"{PEER_LABELS[p]} median (min–max)" for p in peers) + " | "
-        + " | ".join(f"ratio bv/{PEER_LABELS[p]}" for p in peers) + f" | target vs {PEER_LABELS[goal]} | met |",
+        + " | ".join(f"{PEER_LABELS[p]} median (min–max)" for p in peers)
+        + " | "
+        + " | ".join(f"ratio bv/{PEER_LABELS[p]}" for p in peers)
+        + f" | target vs {PEER_LABELS[goal]} | met |",
         "| --- | --- |" + " ---: |" * (1 + 2 * len(peers)) + " --- | --- |",
     ]
     for scenario in order:
@@ -339,8 +366,12 @@ def write_report(
             cells.append(f"**{fmt(median, 2)}** ({fmt(low, 2)}–{fmt(high, 2)})")
         lines.append(f"| {scenario} | {entry['unit']} | " + " | ".join(cells) + f" | {target} | {met} |")
     errors = [e for s in order for e in table[s]["errors"]]
-    failed_runs = [f"{name} run {i + 1}: exit {d.get('exit_code')}" for name in names
-                   for i, d in enumerate(runs[name]) if d.get("exit_code") != 0]
+    failed_runs = [
+        f"{name} run {i + 1}: exit {d.get('exit_code')}"
+        for name in names
+        for i, d in enumerate(runs[name])
+        if d.get("exit_code") != 0
+    ]
     lines += [""]
     if errors or failed_runs:
         lines += ["**Failures** (the comparison exits 1):", ""] + [f"- {e}" for e in failed_runs + errors] + [""]
@@ -402,8 +433,11 @@ def write_report(
         "| --- |" + " ---: |" * (len(names) * args.reps),
     ]
     for scenario in order:
-        values = [table[scenario]["values"][name][i] if i < len(table[scenario]["values"][name]) else None
-                  for name in names for i in range(args.reps)]
+        values = [
+            table[scenario]["values"][name][i] if i < len(table[scenario]["values"][name]) else None
+            for name in names
+            for i in range(args.reps)
+        ]
         lines.append(f"| {scenario} | " + " | ".join(fmt(v) for v in values) + " |")
     lines += ["", "</details>", ""]
     path.write_text("\n".join(lines) + kept_measurements(path), encoding="utf-8")
@@ -431,8 +465,9 @@ def bazel_version() -> str:
         probe = subprocess.run(["bazel", "--version"], capture_output=True, text=True, timeout=120)
         version = probe.stdout.strip().replace("bazel ", "")
         if version in ("", "no_version"):  # Debian's bazel-bootstrap says no_version
-            probe = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "bazel-bootstrap"],
-                                   capture_output=True, text=True, timeout=30)
+            probe = subprocess.run(
+                ["dpkg-query", "-W", "-f=${Version}", "bazel-bootstrap"], capture_output=True, text=True, timeout=30
+            )
             version = probe.stdout.strip().split("+")[0] or version
         return version
     except (OSError, subprocess.TimeoutExpired):
@@ -509,7 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "buildgrid-0.9" in peers:
         meta["buildgrid"]["buildgrid-0.9"] = ensure_buildgrid(
-            servers.BUILDGRID_09_VENV, args.buildgrid_09_version, args.upgrade_buildgrid,
+            servers.BUILDGRID_09_VENV,
+            args.buildgrid_09_version,
+            args.upgrade_buildgrid,
             python=find_python313(args.python313),
         )
     log(f"BuildGrid {meta['buildgrid']}; buildvault {meta['revision']}")

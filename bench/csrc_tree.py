@@ -22,7 +22,7 @@ def _body(name: str, header: str) -> str:
     return (
         f'#include "{header}"\n{STD}\n'
         f"int64_t {name}_fold(const std::array<int64_t, 8>& shape) {{\n"
-        f"  int64_t acc = 0;\n  for (auto x : shape) acc += x;\n  return acc + std::strlen(\"{name}\");\n}}\n"
+        f'  int64_t acc = 0;\n  for (auto x : shape) acc += x;\n  return acc + std::strlen("{name}");\n}}\n'
     )
 
 

@@ -381,8 +381,10 @@ class Client:
         seen = set()
         for response in reply.responses:
             if response.status.code != 0:
-                raise Mismatch(f"BatchUpdateBlobs {response.digest.hash[:12]}: status {response.status.code} "
-                               f"{response.status.message[:200]}")
+                raise Mismatch(
+                    f"BatchUpdateBlobs {response.digest.hash[:12]}: status {response.status.code} "
+                    f"{response.status.message[:200]}"
+                )
             seen.add(key(response.digest))
         if seen != wanted:
             raise Mismatch(f"BatchUpdateBlobs answered for {len(seen)} digests, sent {len(wanted)}")
@@ -397,8 +399,10 @@ class Client:
         for response in reply.responses:
             k = key(response.digest)
             if response.status.code != 0:
-                raise Mismatch(f"BatchReadBlobs {response.digest.hash[:12]}: status {response.status.code} "
-                               f"{response.status.message[:200]}")
+                raise Mismatch(
+                    f"BatchReadBlobs {response.digest.hash[:12]}: status {response.status.code} "
+                    f"{response.status.message[:200]}"
+                )
             if response.data != expected.get(k):
                 raise Mismatch(f"BatchReadBlobs returned wrong bytes for {response.digest.hash[:12]}")
             seen.add(k)
@@ -838,8 +842,7 @@ def make_mixed(warm: bool) -> Scenario:
         "warm pass: GetActionResult hit, BatchReadBlobs + ByteStream.Read of the outputs"
         if warm
         else (
-            "cold pass: GetActionResult miss, FindMissingBlobs, BatchUpdateBlobs + ByteStream.Write, "
-            "UpdateActionResult"
+            "cold pass: GetActionResult miss, FindMissingBlobs, BatchUpdateBlobs + ByteStream.Write, UpdateActionResult"
         )
     )
     return Scenario(name, run, f"{FULL.mixed_clients} concurrent simulated build clients, {what}")

@@ -48,8 +48,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "bazel_example"
 LAUNCHER = str(Path(sys.executable).parent / "buildvault-cc")
-MODES = ("none", "ccache cold", "ccache warm", "buildvault cold, agent start", "buildvault cold", "buildvault warm",
-         "buildvault warm -IS")
+MODES = (
+    "none",
+    "ccache cold",
+    "ccache warm",
+    "buildvault cold, agent start",
+    "buildvault cold",
+    "buildvault warm",
+    "buildvault warm -IS",
+)
 LARGE_MODES = ("ccache cold", "ccache warm", "buildvault cold", "buildvault warm", "buildvault warm -IS")
 
 
@@ -62,9 +69,25 @@ def start_server(data: Path) -> tuple[subprocess.Popen[str], str]:
     if SERVER_PYTHONPATH:
         env["PYTHONPATH"] = SERVER_PYTHONPATH
     proc = subprocess.Popen(
-        [sys.executable, "-m", "buildvault.cli", "serve", "--dir", str(data), "--grpc-address", "127.0.0.1:0",
-         "--http-address", "", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "buildvault.cli",
+            "serve",
+            "--dir",
+            str(data),
+            "--grpc-address",
+            "127.0.0.1:0",
+            "--http-address",
+            "",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=env,
     )
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -83,8 +106,16 @@ def build(checkout: Path, env: dict[str, str], launcher: str | None, jobs: int) 
     configure + build."""
     build_dir = checkout / "build"
     shutil.rmtree(build_dir, ignore_errors=True)
-    configure = ["cmake", "-S", str(checkout), "-B", str(build_dir), *generator(), "-DCMAKE_CXX_COMPILER=g++",
-                 "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"]
+    configure = [
+        "cmake",
+        "-S",
+        str(checkout),
+        "-B",
+        str(build_dir),
+        *generator(),
+        "-DCMAKE_CXX_COMPILER=g++",
+        "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON",
+    ]
     if launcher:
         configure.append(f"-DCMAKE_CXX_COMPILER_LAUNCHER={launcher}")
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -118,10 +149,14 @@ def agent_pid(env: dict[str, str]) -> int | None:
 
 
 def launcher_env(base: dict[str, str], address: str, work: Path, tag: str) -> dict[str, str]:
-    return dict(base, BUILDVAULT_REMOTE=f"grpc://{address}", BUILDVAULT_WRITER="1",
-                BUILDVAULT_AGENT_DIR=tempfile.mkdtemp(prefix="bvcc-", dir="/tmp"),
-                BUILDVAULT_PLATFORM="soc=ascend910b1,cann=8.0.RC3",
-                BUILDVAULT_EVENT_LOG=str(work / f"events-{tag}.jsonl"))
+    return dict(
+        base,
+        BUILDVAULT_REMOTE=f"grpc://{address}",
+        BUILDVAULT_WRITER="1",
+        BUILDVAULT_AGENT_DIR=tempfile.mkdtemp(prefix="bvcc-", dir="/tmp"),
+        BUILDVAULT_PLATFORM="soc=ascend910b1,cann=8.0.RC3",
+        BUILDVAULT_EVENT_LOG=str(work / f"events-{tag}.jsonl"),
+    )
 
 
 def prime(env: dict[str, str], work: Path) -> None:
@@ -133,8 +168,7 @@ def prime(env: dict[str, str], work: Path) -> None:
     subprocess.run([LAUNCHER, "--flush"], env=env, check=True, capture_output=True)
 
 
-def measured(checkout: Path, env: dict[str, str], launcher: str, jobs: int,
-             server: subprocess.Popen[str]) -> Sample:
+def measured(checkout: Path, env: dict[str, str], launcher: str, jobs: int, server: subprocess.Popen[str]) -> Sample:
     """build() plus the CPU the agent spent meanwhile, and the server's CPU apart."""
     server_cpu = process_cpu(server.pid)
     before = agent_pid(env)
@@ -281,11 +315,16 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--tree", choices=("example", "large"), default="example",
-                        help="bazel_example/ or the generated 147-compile tree (bench/csrc_tree.py)")
+    parser.add_argument(
+        "--tree",
+        choices=("example", "large"),
+        default="example",
+        help="bazel_example/ or the generated 147-compile tree (bench/csrc_tree.py)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile the per-hit path after the last round")
-    parser.add_argument("--server-pythonpath", default=None,
-                        help="run the server from this source dir (e.g. an exported commit)")
+    parser.add_argument(
+        "--server-pythonpath", default=None, help="run the server from this source dir (e.g. an exported commit)"
+    )
     args = parser.parse_args()
     global SERVER_PYTHONPATH
     SERVER_PYTHONPATH = args.server_pythonpath
@@ -306,8 +345,9 @@ def main() -> int:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("BUILDVAULT_", "CCACHE_"))}
     samples: dict[str, list[Sample]] = {k: [] for k in MODES}
     events = []
-    fast = subprocess.run([LAUNCHER, "--install-fast", str(work)], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    fast = subprocess.run(
+        [LAUNCHER, "--install-fast", str(work)], capture_output=True, text=True, check=True
+    ).stdout.strip()
     server = None
     agent_env = None
     try:
@@ -329,11 +369,18 @@ def main() -> int:
             server, address = start_server(work / f"server-{i}")
             agent_env = launcher_env(base, address, work, str(i))
             prime(agent_env, work)
-            for mode, launcher in (("buildvault cold", LAUNCHER), ("buildvault warm", LAUNCHER),
-                                   ("buildvault warm -IS", fast)):
+            for mode, launcher in (
+                ("buildvault cold", LAUNCHER),
+                ("buildvault warm", LAUNCHER),
+                ("buildvault warm -IS", fast),
+            ):
                 samples[mode].append(measured(checkout, agent_env, launcher, args.jobs, server))
-            summary = subprocess.run([LAUNCHER, "--summary", "--json", agent_env["BUILDVAULT_EVENT_LOG"]],
-                                     capture_output=True, text=True, check=True).stdout
+            summary = subprocess.run(
+                [LAUNCHER, "--summary", "--json", agent_env["BUILDVAULT_EVENT_LOG"]],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             events.append(json.loads(summary))
             if args.profile and i == args.runs - 1:
                 results["profile"] = profile_hits(checkout, agent_env, address, fast, env)
@@ -350,6 +397,7 @@ def main() -> int:
         if mode.startswith("buildvault"):
             results[mode]["server_cpu"] = round(statistics.median(s[3] for s in samples[mode]), 3)
     results["events"] = events
+
     def ratio(mode: str, base: str, field: str, digits: int) -> float | None:
         if mode not in results or base not in results:
             return None
@@ -372,8 +420,10 @@ def main() -> int:
     for name in modes:
         r = results[name]
         server_cpu = f"  (+ server CPU {r['server_cpu']:.2f} s)" if "server_cpu" in r else ""
-        print(f"{name:29s} total {r['total']:6.2f} s (best {r['best']:5.2f})  build step {r['build']:6.2f} s  "
-              f"CPU {r['cpu']:6.2f} s{server_cpu}")
+        print(
+            f"{name:29s} total {r['total']:6.2f} s (best {r['best']:5.2f})  build step {r['build']:6.2f} s  "
+            f"CPU {r['cpu']:6.2f} s{server_cpu}"
+        )
     for name, value in results["ratios"].items():
         print(f"{name:34s} {value}")
     if "profile" in results:

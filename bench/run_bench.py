@@ -124,17 +124,31 @@ def main() -> int:
         old = time.time() - 3600
         for path in [*(step / "src").iterdir(), step / "step.sh"]:
             os.utime(path, (old, old))
-        env = {**os.environ, "BUILDVAULT_REMOTE": f"grpc://{server.address}", "BUILDVAULT_WRITER": "1",
-               "BUILDVAULT_AGENT_DIR": str(work / "agent")}
-        argv = [str(BUILDVAULT), "run", "--input", "src", "--recipe-file", "step.sh",
-                *[a for i in range(1, 6) for a in ("--output", f"out/o{i}.bin")], "--", "./step.sh"]
+        env = {
+            **os.environ,
+            "BUILDVAULT_REMOTE": f"grpc://{server.address}",
+            "BUILDVAULT_WRITER": "1",
+            "BUILDVAULT_AGENT_DIR": str(work / "agent"),
+        }
+        argv = [
+            str(BUILDVAULT),
+            "run",
+            "--input",
+            "src",
+            "--recipe-file",
+            "step.sh",
+            *[a for i in range(1, 6) for a in ("--output", f"out/o{i}.bin")],
+            "--",
+            "./step.sh",
+        ]
         _, first = timed(argv, step, env)
         assert "SAVED" in first, first
         timed_hits(argv, step, env, 1)  # the first hit may start the agent
         hits = timed_hits(argv, step, env, args.repeat)
         # buildvault-run-fast: what buildvault.cmake starts (python -IS, no site-packages start-up)
-        fast = subprocess.run([str(BUILDVAULT), "run", "--install-fast", str(work / "bin")], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        fast = subprocess.run(
+            [str(BUILDVAULT), "run", "--install-fast", str(work / "bin")], capture_output=True, text=True, check=True
+        ).stdout.strip()
         fast_hits = timed_hits([fast, *argv[2:]], step, env, args.repeat)
         no_agent = {**env, "BUILDVAULT_RUN_AGENT": "0"}
         cli_in_process = timed_hits(argv, step, no_agent, args.repeat)
@@ -142,11 +156,17 @@ def main() -> int:
         python = [timed([sys.executable, "-c", "pass"], step, env)[0] for _ in range(10)]
         cli = [timed([str(BUILDVAULT), "--help"], step, env)[0] for _ in range(10)]
         imports = [timed([sys.executable, "-c", "import buildvault.client.run.step"], step, env)[0] for _ in range(10)]
-        front = [timed([sys.executable, "-c", "import buildvault.client.run.command, buildvault.client.run.fast"],
-                       step, env)[0] for _ in range(10)]
+        front = [
+            timed(
+                [sys.executable, "-c", "import buildvault.client.run.command, buildvault.client.run.fast"], step, env
+            )[0]
+            for _ in range(10)
+        ]
         load = os.getloadavg()[0]
         row = {
-            "inputs": 20, "outputs": 5, "repeat": args.repeat,
+            "inputs": 20,
+            "outputs": 5,
+            "repeat": args.repeat,
             "hit_p50_ms": round(statistics.median(hits) * 1000, 1),
             "hit_p95_ms": round(percentile(hits, 95) * 1000, 1),
             "fast_script_hit_p50_ms": round(statistics.median(fast_hits) * 1000, 1),
@@ -159,7 +179,8 @@ def main() -> int:
             "buildvault_help_p50_ms": round(statistics.median(cli) * 1000, 1),
             "python_plus_step_imports_p50_ms": round(statistics.median(imports) * 1000, 1),
             "python_plus_front_imports_p50_ms": round(statistics.median(front) * 1000, 1),
-            "load_1min": round(load, 2), "cpus": os.cpu_count(),
+            "load_1min": round(load, 2),
+            "cpus": os.cpu_count(),
         }
     finally:
         stop_agents(work / "agent")

@@ -63,8 +63,13 @@ def _spawn(argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | Non
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         return subprocess.Popen(
-            argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=env,
+            argv,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
         )
 
 
@@ -75,17 +80,23 @@ def buildvault_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from buildvault.cli import main; sys.exit(main())"]
 
 
-def start_buildvault(
-    data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0
-) -> Server:
+def start_buildvault(data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0) -> Server:
     """`buildvault serve --grpc-address 127.0.0.1:0 --http-address '' --dir D --max-size 20GiB`.
 
     Waits for the banner's first line, `buildvault ready: grpc=HOST:PORT ...`, in the log.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = buildvault_command() + [
-        "serve", "--grpc-address", "127.0.0.1:0", "--http-address", "", "--dir", str(data_dir),
-        "--max-size", "20GiB", *(extra or []),
+        "serve",
+        "--grpc-address",
+        "127.0.0.1:0",
+        "--http-address",
+        "",
+        "--dir",
+        str(data_dir),
+        "--max-size",
+        "20GiB",
+        *(extra or []),
     ]
     process = _spawn(argv, log_path, ROOT)
     server = Server("buildvault", "", process, log_path, data_dir)
@@ -138,7 +149,9 @@ def start_buildvault_on_bucket(data_dir: Path, log_path: Path, timeout: float = 
     os.environ.update(S3_ENV)  # inherited by the server: the standard credential chain finds them
     try:
         server = start_buildvault(
-            data_dir, log_path, ["--s3-endpoint", endpoint, "--s3-bucket", "bench", "--s3-region", "us-east-1"],
+            data_dir,
+            log_path,
+            ["--s3-endpoint", endpoint, "--s3-bucket", "bench", "--s3-region", "us-east-1"],
             timeout=timeout,
         )
     except BaseException:
@@ -205,7 +218,11 @@ def buildgrid_bgd(venv: Path = BUILDGRID_VENV) -> Path:
 
 
 def start_buildgrid(
-    data_dir: Path, log_path: Path, venv: Path = BUILDGRID_VENV, timeout: float = 60.0, line: str = "0.4",
+    data_dir: Path,
+    log_path: Path,
+    venv: Path = BUILDGRID_VENV,
+    timeout: float = 60.0,
+    line: str = "0.4",
     name: str = "buildgrid",
 ) -> Server:
     bgd = buildgrid_bgd(venv)
