@@ -278,3 +278,22 @@ async def test_small_files_of_an_older_store_are_moved_into_records(tmp_path: Pa
         assert_consistent(storage)
     finally:
         await storage.close()
+
+
+async def test_an_environment_lmdb_reports_damaged_is_dropped_and_the_files_stay(tmp_path: Path) -> None:
+    storage = await DiskStorage.open(tmp_path, 64 << 20)
+    small, small_data = blob(1)
+    large, large_data = blob(2, records.RECORD_LIMIT * 2)
+    await storage.cas.write_blobs([(small, small_data), (large, large_data)])
+    await storage.close()
+    with open(tmp_path / "records" / "data.mdb", "r+b") as f:  # both meta pages gone
+        f.write(b"\x00" * 2 * records.PAGE)
+    storage = await DiskStorage.open(tmp_path, 64 << 20)
+    try:
+        assert await storage.cas.find_missing([small, large]) == [small]  # never served from garbage
+        assert await read_all(storage, large) == large_data
+        await storage.cas.write(small, single_chunk(small_data))  # the new environment works
+        assert await read_all(storage, small) == small_data
+        assert_consistent(storage)
+    finally:
+        await storage.close()

@@ -68,6 +68,10 @@ _MAP_HEADROOM = 64 << 20
 _MAP_MAX = 1 << 46
 
 
+# What LMDB raises for an environment whose pages are not what they should be.
+DAMAGED_ENV = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError)
+
+
 def held(limit: int, key: bytes, size: int) -> bool:
     """Whether an entry of this key and size is a record (else a file)."""
     return size <= limit and len(key) <= MAX_KEY
@@ -103,6 +107,15 @@ class Records:
         self.env: lmdb.Environment | None = None
 
     def open(self) -> None:
+        """Open (or create) the environment; one LMDB reports damaged is dropped and made anew."""
+        try:
+            self._open()
+        except DAMAGED_ENV as e:
+            log.error("the record store %s is damaged (%s): starting it empty", self.path, e)
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._open()
+
+    def _open(self) -> None:
         os.makedirs(self.path, exist_ok=True)
         self.env = lmdb.open(
             self.path,
@@ -124,7 +137,7 @@ class Records:
         """Drop the environment and everything in it (LMDB reported it damaged)."""
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
-        self.open()
+        self._open()
 
     @property
     def live(self) -> lmdb.Environment:
@@ -246,22 +259,28 @@ def delete_many(records: Records, keys: list[bytes]) -> None:
 
 def present(records: Records, keys: list[bytes]) -> list[bool]:
     """Whether each key has a record (a re-check: healing.py)."""
-    with records.live.begin(buffers=True) as txn:
-        return [txn.get(key) is not None for key in keys]
+    try:
+        with records.live.begin(buffers=True) as txn:
+            return [txn.get(key) is not None for key in keys]
+    except lmdb.Error as e:
+        raise as_oserror(e, "looking up records") from e
 
 
 def sizes_with_prefix(records: Records, prefix: bytes) -> list[int]:
     """Sizes of the CAS records whose key starts with `prefix` (function byte + raw hash): a
     lookup by hash alone (keys are sorted, so one cursor seek)."""
     sizes = []
-    with records.live.begin(buffers=True) as txn:
-        cursor = txn.cursor()
-        if cursor.set_range(prefix):
-            for key in cursor.iternext(keys=True, values=False):
-                if bytes(key[: len(prefix)]) != prefix:
-                    break
-                if len(key) == len(prefix) + SIZE_BYTES:
-                    sizes.append(int.from_bytes(key[len(prefix) :], "big"))
+    try:
+        with records.live.begin(buffers=True) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(prefix):
+                for key in cursor.iternext(keys=True, values=False):
+                    if bytes(key[: len(prefix)]) != prefix:
+                        break
+                    if len(key) == len(prefix) + SIZE_BYTES:
+                        sizes.append(int.from_bytes(key[len(prefix) :], "big"))
+    except lmdb.Error as e:
+        raise as_oserror(e, "looking up records") from e
     return sizes
 
 

@@ -58,24 +58,33 @@ def reconcile(
     tick = int(time.time())
     walked = 0
     stale: list[bytes] = []
-    for key, size in records.keys_and_sizes(recs):
-        walked += 1
-        if not held(limit, key, size):
-            stale.append(key)
-            continue
-        if key in expected:
-            expected.discard(key)
-            if key[0] == AC_TAG and ac_sizes[key] != size:  # replaced after the snapshot
-                used += charge(key, size) - charge(key, ac_sizes[key])
+    try:
+        for key, size in records.keys_and_sizes(recs):
+            walked += 1
+            if not held(limit, key, size):
+                stale.append(key)
+                continue
+            if key in expected:
+                expected.discard(key)
+                if key[0] == AC_TAG and ac_sizes[key] != size:  # replaced after the snapshot
+                    used += charge(key, size) - charge(key, ac_sizes[key])
+                    ac_sizes[key] = size
+                continue
+            if key in index:  # the snapshot has it as a file of another size: the record is newer
+                used -= index_cost(limit, key, size_of(key))
+                del index[key]
+            index[key] = tick
+            if key[0] == AC_TAG:
                 ac_sizes[key] = size
-            continue
-        if key in index:  # the snapshot has it as a file of another size: the record is newer
-            used -= index_cost(limit, key, size_of(key))
+            used += charge(key, size)
+    except records.DAMAGED_ENV as e:
+        log.error("the record store %s is damaged (%s): starting it empty", recs.path, e)
+        recs.discard()
+        for key in [key for key in index if held(limit, key, size_of(key))]:
+            used -= charge(key, size_of(key))
             del index[key]
-        index[key] = tick
-        if key[0] == AC_TAG:
-            ac_sizes[key] = size
-        used += charge(key, size)
+            ac_sizes.pop(key, None)
+        return used, walked
     for key in expected:  # in the snapshot, not in LMDB
         used -= charge(key, size_of(key))
         del index[key]
