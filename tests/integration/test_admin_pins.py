@@ -14,10 +14,13 @@ import grpc
 import s3_server
 from polling import wait_for
 from reapi_client import CLIENT_OPTIONS, batch_update, digest, make_stubs
+from record_damage import record_data
 from s3_server import tier_args, wait_drained
 
 from buildvault import pins
+from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
+from buildvault.storage.disk.layout import AcKeys
 
 # Fixtures bound by assignment: a parameter requesting one is no redefinition to the linter.
 aws_env = s3_server.aws_env
@@ -91,4 +94,5 @@ def test_pins_set_through_another_server_arrive_from_the_bucket(
     wait_drained(writer.http_address)
     wait_for(lambda: ("ac/team-a", "l0", "candidate") in _pins(reader), 30, "the moved pin on the reader")
     index_hash = hashlib.sha256(pins.INDEX_ACTION).hexdigest()
-    assert (Path(reader.data_dir) / "ac" / "ac" / "team-a" / "@sha256" / index_hash[:2] / index_hash).is_file()
+    index_key = AcKeys().key("ac/team-a", Digest(index_hash, 0))  # a small entry: a record
+    assert record_data(Path(reader.data_dir), index_key) is not None

@@ -1,11 +1,13 @@
 """`buildvault verify` on the data directory of a running server.
 
-The server stores blobs and ActionResults over HTTP; then files are damaged behind its back:
-one blob's bytes flipped (corrupt), one referenced blob removed (its entry now dangles), one
-entry zero-filled (a torn write). verify reports exactly those, changes nothing without
---repair, removes exactly those with it, and the next verify is clean; the server keeps
-answering throughout. With the server's bucket configured, --repair fetches damaged and missing
-blobs back from the bucket (the S3 test server), keeping only those that match their digest.
+The server stores blobs and ActionResults over HTTP (small ones: records in LMDB, damaged
+through record_damage.py); then they are damaged behind its back: one blob's bytes flipped
+(corrupt), one referenced blob removed (its entry now dangles), one entry zero-filled (a torn
+write). Reports name a record by the path its file would have under records/. verify reports
+exactly those, changes nothing without --repair, removes exactly those with it, and the next
+verify is clean; the server keeps answering throughout. With the server's bucket configured,
+--repair fetches damaged and missing blobs back from the bucket (the S3 test server), keeping
+only those that match their digest.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import s3_server
+from record_damage import all_records, flip_byte_of, record_data, remove_record, zero_record
 from s3_server import REGION, raw_client, tier_args, wait_drained
 
+from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
+from buildvault.storage.disk.layout import AcKeys, cas_key
 
 # Fixtures bound by assignment: a parameter requesting one is no redefinition to the linter.
 aws_env = s3_server.aws_env
@@ -45,12 +50,25 @@ def _verify(data_dir: Path, *extra: str) -> tuple[int, dict[str, Any]]:
 
 
 def _blob_path(data_dir: Path, data: bytes) -> Path:
+    """How reports name a small blob: its record, as the path its file would have under records/."""
     digest = hashlib.sha256(data).hexdigest()
-    return data_dir / "cas" / "sha256" / digest[:2] / f"{digest}-{len(data)}"
+    return data_dir / "records" / "cas" / "sha256" / digest[:2] / f"{digest}-{len(data)}"
 
 
 def _entry_path(data_dir: Path, action_hash: str) -> Path:
-    return data_dir / "ac" / "ac" / "@sha256" / action_hash[:2] / action_hash
+    return data_dir / "records" / "ac" / "ac" / "@sha256" / action_hash[:2] / action_hash
+
+
+def _blob_key(data: bytes) -> bytes:
+    return cas_key(Digest.of(data))
+
+
+def _entry_key(action_hash: str) -> bytes:
+    return AcKeys().key("ac", Digest(action_hash, 0))
+
+
+def _has(data_dir: Path, key: bytes) -> bool:
+    return record_data(data_dir, key) is not None
 
 
 def _store_action(base: str, output: bytes, name: str) -> str:
@@ -81,25 +99,23 @@ def test_verify_finds_and_repairs_damage_beside_a_running_server(buildvault_serv
     assert report["corrupt_blobs"] == report["broken_entries"] == report["dangling_entries"] == []
 
     corrupt = _blob_path(data_dir, blobs[7])
-    damaged = bytearray(corrupt.read_bytes())
-    damaged[10] ^= 0xFF
-    corrupt.write_bytes(bytes(damaged))
-    _blob_path(data_dir, b"output that will vanish\n").unlink()
+    flip_byte_of(data_dir, blobs[7])
+    remove_record(data_dir, Digest.of(b"output that will vanish\n"))
     torn_path = _entry_path(data_dir, torn)
-    torn_path.write_bytes(b"\0" * torn_path.stat().st_size)
+    zero_record(data_dir, _entry_key(torn))
 
     code, report = _verify(data_dir)
     assert code == 1
     assert report["corrupt_blobs"] == [str(corrupt)]
     assert report["dangling_entries"] == [str(_entry_path(data_dir, dangling))]
     assert report["broken_entries"] == [str(torn_path)]
-    assert corrupt.exists() and torn_path.exists()  # without --repair nothing changes
+    assert _has(data_dir, _blob_key(blobs[7])) and _has(data_dir, _entry_key(torn))  # nothing changes
 
     code, report = _verify(data_dir, "--repair")
     assert code == 0 and report["removed"] == 3, report
-    assert not corrupt.exists() and not torn_path.exists()
-    assert not _entry_path(data_dir, dangling).exists()
-    assert _entry_path(data_dir, intact).exists()
+    assert not _has(data_dir, _blob_key(blobs[7])) and not _has(data_dir, _entry_key(torn))
+    assert not _has(data_dir, _entry_key(dangling))
+    assert _has(data_dir, _entry_key(intact))
 
     code, report = _verify(data_dir)
     assert code == 0 and report["blobs"] == len(blobs) + 1 and report["action_entries"] == 1, report
@@ -133,22 +149,20 @@ def test_repair_refetches_damaged_and_missing_blobs_from_the_bucket(
     actions = {name: _store_action(base, data, name) for name, data in outputs.items()}
     wait_drained(server.http_address)  # everything is in the bucket
     damaged, missing, bad = (_blob_path(data_dir, outputs[n]) for n in ("damaged", "missing", "bad-in-bucket"))
-    for path in (damaged, bad):
-        flipped = bytearray(path.read_bytes())
-        flipped[3] ^= 0xFF
-        path.write_bytes(bytes(flipped))
-    missing.unlink()
+    for name in ("damaged", "bad-in-bucket"):
+        flip_byte_of(data_dir, outputs[name])
+    remove_record(data_dir, Digest.of(outputs["missing"]))
     bad_hash = hashlib.sha256(outputs["bad-in-bucket"]).hexdigest()
     raw_client(s3_endpoint).put_object(Bucket=bucket, Key=f"cas/sha256/{bad_hash}", Body=b"not the blob")
     s3_flags = ("--s3-endpoint", s3_endpoint, "--s3-bucket", bucket, "--s3-region", REGION)
 
-    before = {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file() and "cas" in p.parts}
+    before = all_records(data_dir)
     proc = subprocess.run(
         [*CLI, "verify", "--dir", str(data_dir), "--repair", "--s3-endpoint", "http://127.0.0.1:9",
          "--s3-bucket", bucket, "--s3-region", REGION], capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 2 and "--s3-endpoint" in proc.stderr, proc.stderr
-    assert {p: p.read_bytes() for p in data_dir.rglob("*") if p.is_file() and "cas" in p.parts} == before
+    assert all_records(data_dir) == before
 
     code, report = _verify(data_dir, "--repair", *s3_flags)
     assert code == 0, report
@@ -156,8 +170,10 @@ def test_repair_refetches_damaged_and_missing_blobs_from_the_bucket(
     assert report["restored_blobs"] == [str(damaged)] and report["refetched"] == 2
     assert report["restored_entries"] == [str(_entry_path(data_dir, actions["missing"]))]
     assert report["dangling_entries"] == [str(_entry_path(data_dir, actions["bad-in-bucket"]))]
-    assert damaged.read_bytes() == outputs["damaged"] and missing.read_bytes() == outputs["missing"]
-    assert not bad.exists() and not _entry_path(data_dir, actions["bad-in-bucket"]).exists()
+    assert record_data(data_dir, _blob_key(outputs["damaged"])) == outputs["damaged"]
+    assert record_data(data_dir, _blob_key(outputs["missing"])) == outputs["missing"]
+    assert not _has(data_dir, _blob_key(outputs["bad-in-bucket"]))
+    assert not _has(data_dir, _entry_key(actions["bad-in-bucket"]))
     assert not list((data_dir / "tmp").glob("verify-*"))
 
     code, report = _verify(data_dir)

@@ -1,7 +1,8 @@
 """The index heals itself: blob files removed or damaged under a live `buildvault serve`.
 
-For each kind of damage (file removed, truncated, a byte flipped in place) to a small blob
-(read whole) and a large one (streamed), through gRPC and HTTP: the read that meets the damage
+For each kind of damage (removed, truncated, a byte flipped in place) to a small blob (a record
+in LMDB: records.py), a medium one (a file read whole) and a large one (a file streamed),
+through gRPC and HTTP: the read that meets the damage
 never hands out wrong bytes, and from then on FindMissingBlobs reports the blob missing, an
 ActionResult naming it misses (gRPC and HTTP /ac/), and the next upload really stores it, after
 which the entry is a hit again. With a bucket, a read that meets a gone or damaged local copy is
@@ -21,15 +22,19 @@ from pathlib import Path
 import grpc
 import pytest
 from reapi_client import CLIENT_OPTIONS, Stubs, batch_update, digest, make_stubs, missing, read, write
+from record_damage import flip_byte_of, remove_record, truncate_record
 from s3_server import aws_env, bucket, s3_endpoint, tier_args, wait_drained  # noqa: F401 - fixtures
 from server_process import ServerProcess
 
+from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
+from buildvault.storage.disk.records import RECORD_LIMIT
 
 pytestmark = pytest.mark.timeout(300)
 
-SMALL = 3000  # read whole, in one coalesced trip
-LARGE = (3 << 20) + 17  # streamed in chunks
+SMALL = 3000  # a record
+MEDIUM = 200_000  # a file, read whole in one coalesced trip
+LARGE = (3 << 20) + 17  # a file, streamed in chunks
 DAMAGES = ("removed", "truncated", "flipped")
 
 
@@ -53,7 +58,21 @@ def blob_file(server: ServerProcess, d: re_pb2.Digest) -> Path:
     return server.data_dir / "cas" / "sha256" / d.hash[:2] / f"{d.hash}-{d.size_bytes}"
 
 
-def damage(path: Path, how: str) -> None:
+def damage(server: ServerProcess, data: bytes, how: str) -> None:
+    """Damage the stored copy of `data`: its record, or its file."""
+    if len(data) > RECORD_LIMIT:
+        damage_file(blob_file(server, digest(data)), how)
+        return
+    d = Digest.of(data)
+    if how == "removed":
+        remove_record(server.data_dir, d)
+    elif how == "truncated":
+        truncate_record(server.data_dir, d)
+    else:
+        flip_byte_of(server.data_dir, data)
+
+
+def damage_file(path: Path, how: str) -> None:
     if how == "removed":
         path.unlink()
     elif how == "truncated":
@@ -65,7 +84,7 @@ def damage(path: Path, how: str) -> None:
 
 
 async def upload(stubs: Stubs, data: bytes) -> None:
-    if len(data) == SMALL:
+    if len(data) <= MEDIUM:
         await batch_update(stubs, [data])
     else:
         assert await write(stubs, data) == len(data)
@@ -116,7 +135,7 @@ def server(tmp_path_factory) -> ServerProcess:
         process.kill()
 
 
-@pytest.mark.parametrize("size", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("size", [SMALL, MEDIUM, LARGE], ids=["small", "medium", "large"])
 @pytest.mark.parametrize("how", DAMAGES)
 @pytest.mark.parametrize("reader", ["grpc", "http"])
 async def test_damaged_blob_leaves_the_index_and_is_stored_again(server, size, how, reader):
@@ -126,7 +145,7 @@ async def test_damaged_blob_leaves_the_index_and_is_stored_again(server, size, h
         await upload(stubs, data)
         action = await put_action(stubs, d)
         assert await grpc_ac_hit(stubs, action)
-        damage(blob_file(server, d), how)
+        damage(server, data, how)
 
         got = await grpc_read(stubs, d) if reader == "grpc" else http_read(server, d)
         assert got != data and not isinstance(got, bytes), f"damaged blob served: {len(got)} bytes"
@@ -137,7 +156,8 @@ async def test_damaged_blob_leaves_the_index_and_is_stored_again(server, size, h
         assert code == 404
 
         await upload(stubs, data)  # not skipped: the index no longer believes it is there
-        assert blob_file(server, d).read_bytes() == data
+        if size > RECORD_LIMIT:
+            assert blob_file(server, d).read_bytes() == data
         assert await missing(stubs, [d]) == set()
         assert await grpc_read(stubs, d) == data
         assert http_read(server, d) == data
@@ -152,15 +172,14 @@ async def test_http_put_after_a_lookup_found_the_file_gone_stores_it(server):
     async with connect(server.grpc_address) as stubs:
         assert http("PUT", url, data)[0] in (200, 201, 204)
         action = await put_action(stubs, d)
-        blob_file(server, d).unlink()
+        damage(server, data, "removed")
         assert http("GET", url)[0] == 404
         assert http("HEAD", url)[0] == 404
         assert http("PUT", url, data)[0] in (200, 201, 204)  # stored, not acknowledged blindly
-        assert blob_file(server, d).read_bytes() == data
         assert http("GET", url) == (200, data)
         assert await grpc_ac_hit(stubs, action)
 
-        blob_file(server, d).unlink()
+        damage(server, data, "removed")
         assert http("GET", url)[0] == 404
         assert await missing(stubs, [d]) == {(d.hash, d.size_bytes)}  # FindMissing re-checks it
         assert not await grpc_ac_hit(stubs, action)
@@ -176,7 +195,7 @@ async def test_with_a_bucket_a_read_falls_through_to_it(tmp_path, s3_endpoint, b
             await upload(stubs, large)
             wait_drained(server.http_address)  # both are in the bucket now
             for data in (small, large):
-                damage(blob_file(server, digest(data)), how)
+                damage(server, data, how)
             # Small blobs are verified before any byte goes out: the bucket serves them at once.
             assert await grpc_read(stubs, digest(small)) == small
             # A streamed read finds the damage at its end (flipped) or start (removed, truncated);

@@ -8,8 +8,10 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+
 from buildvault.digest import Digest
-from buildvault.storage.disk import DiskStorage
+from buildvault.storage.disk import DiskStorage, records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from polling import wait_until
@@ -21,6 +23,7 @@ __all__ = [
     "file_clock_passes",
     "files_under",
     "fill",
+    "files_only",
     "fill_one",
     "read_all",
     "wait_until",
@@ -47,10 +50,13 @@ def files_under(path: Path) -> list[Path]:
 
 
 def assert_consistent(storage: DiskStorage) -> None:
-    """Index and disk agree, and the accounting matches the files."""
+    """Index and disk agree (files and records), and the accounting matches them."""
     on_disk = {str(p): p.stat().st_size for p in files_under(storage.root / "cas") + files_under(storage.root / "ac")}
     assert set(on_disk) == set(storage.entry_paths())
-    assert storage.stats().used_bytes == sum(on_disk.values()) <= storage.max_size
+    stored = storage.stored_records()
+    assert set(stored) == set(storage.record_keys())
+    in_records = sum(records.charge(key, size) for key, size in stored.items())
+    assert storage.stats().used_bytes == sum(on_disk.values()) + in_records <= storage.max_size
     assert os.listdir(storage.root / "tmp") == [] or storage.reserved_bytes
 
 
@@ -84,3 +90,23 @@ async def file_clock_passes(root: Path, ns: int) -> None:
         await wait_until(ticked, 5, "the file clock to pass a change", interval=0.001)
     finally:
         probe.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def files_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every entry a file (record limit 0): the file layout large blobs and entries use, where a
+    test works on files directly (removes, damages or counts them)."""
+    monkeypatch.setattr(records, "RECORD_LIMIT", 0)
+
+
+@pytest.fixture(params=["files", "records"])
+def either_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with every entry a file, then with every entry up to 1 MiB a record."""
+    monkeypatch.setattr(records, "RECORD_LIMIT", 0 if request.param == "files" else 1 << 20)
+    return str(request.param)
+
+
+def entry_cost(size: int) -> int:
+    """What a blob of `size` bytes counts for in the cap under the current record limit."""
+    key = b"\x01" * 39  # a CAS key's length
+    return records.charge(key, size) if records.held(records.RECORD_LIMIT, key, size) else size

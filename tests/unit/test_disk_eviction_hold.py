@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_consistent, chunked, read_all
+from disk_helpers import assert_consistent, chunked, either_layout, entry_cost, read_all
 
 from buildvault.actions import ActionCache
 from buildvault.digest import Digest
@@ -15,6 +15,9 @@ from buildvault.remote_apis import re_pb2
 from buildvault.storage import StorageFull
 from buildvault.storage.disk import DiskStorage
 from buildvault.storage.disk.index import HOLD_SECONDS
+
+pytestmark = pytest.mark.usefixtures("either_layout")
+__all__ = ["either_layout"]  # the fixture: every test runs with files and with records
 
 KiB = 1 << 10
 BLOB = 100 * KiB
@@ -33,7 +36,7 @@ async def put(storage: DiskStorage, n: int) -> Digest:
 
 async def test_a_served_action_result_keeps_its_outputs_while_others_are_evicted(tmp_path: Path) -> None:
     clock = [1_000_000.0]
-    storage = await DiskStorage.open(tmp_path, 10 * BLOB, clock=lambda: clock[0], sync_interval=None)
+    storage = await DiskStorage.open(tmp_path, 10 * entry_cost(BLOB), clock=lambda: clock[0], sync_interval=None)
     cache = ActionCache(storage.cas, storage.ac)
     output = await put(storage, 0)  # the least recently written blob
     fillers = [await put(storage, n) for n in range(1, 9)]
@@ -57,7 +60,7 @@ async def test_a_served_action_result_keeps_its_outputs_while_others_are_evicted
 
 async def test_entries_used_within_the_hold_are_not_evicted_for_a_write(tmp_path: Path) -> None:
     clock = [1_000_000.0]
-    storage = await DiskStorage.open(tmp_path, 10 * BLOB, clock=lambda: clock[0], sync_interval=None)
+    storage = await DiskStorage.open(tmp_path, 10 * entry_cost(BLOB), clock=lambda: clock[0], sync_interval=None)
     held = [await put(storage, n) for n in range(10)]  # the store is full, every entry just written
     with pytest.raises(StorageFull):
         await put(storage, 10)
@@ -78,19 +81,19 @@ async def test_entries_used_within_the_hold_are_not_evicted_for_a_write(tmp_path
 
 async def test_a_lowered_cap_at_start_evicts_regardless_of_the_hold(tmp_path: Path) -> None:
     clock = [1_000_000.0]
-    storage = await DiskStorage.open(tmp_path, 10 * BLOB, clock=lambda: clock[0], sync_interval=None)
+    storage = await DiskStorage.open(tmp_path, 10 * entry_cost(BLOB), clock=lambda: clock[0], sync_interval=None)
     for n in range(10):
         await put(storage, n)
     await storage.close()
-    storage = await DiskStorage.open(tmp_path, 5 * BLOB, clock=lambda: clock[0], sync_interval=None)
-    assert storage.stats().used_bytes <= 5 * BLOB
+    storage = await DiskStorage.open(tmp_path, 5 * entry_cost(BLOB), clock=lambda: clock[0], sync_interval=None)
+    assert storage.stats().used_bytes <= 5 * entry_cost(BLOB)
     assert_consistent(storage)
     await storage.close()
 
 
 async def test_a_clock_set_back_does_not_hold_every_entry(tmp_path: Path) -> None:
     clock = [1_000_000.0]
-    storage = await DiskStorage.open(tmp_path, 10 * BLOB, clock=lambda: clock[0], sync_interval=None)
+    storage = await DiskStorage.open(tmp_path, 10 * entry_cost(BLOB), clock=lambda: clock[0], sync_interval=None)
     for n in range(10):
         await put(storage, n)
     clock[0] -= 3600  # every entry now seems used an hour in the future

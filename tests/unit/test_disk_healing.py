@@ -8,13 +8,17 @@ import os
 from pathlib import Path
 
 import pytest
-from disk_helpers import assert_consistent, blob_path, chunked, read_all
+from disk_helpers import assert_consistent, blob_path, chunked, either_layout, files_only, read_all
 
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import NotFound
 from buildvault.storage.disk import DiskStorage
 
 MiB = 1 << 20
+
+# Tests that work on files directly (remove, damage, count them) run with the file layout
+# (files_only); the others with both layouts (either_layout). test_disk_records.py covers records.
+__all__ = ["either_layout", "files_only"]  # fixtures
 
 
 def flip(path: Path) -> None:
@@ -30,6 +34,7 @@ async def stored(storage: DiskStorage, size: int) -> tuple[Digest, bytes]:
     return digest, data
 
 
+@pytest.mark.usefixtures("files_only")
 @pytest.mark.parametrize("batch", [False, True], ids=["read", "read_blobs"])
 async def test_a_flipped_byte_in_a_small_blob_is_never_served(tmp_path: Path, batch: bool) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
@@ -49,6 +54,7 @@ async def test_a_flipped_byte_in_a_small_blob_is_never_served(tmp_path: Path, ba
         assert_consistent(storage)
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_a_flipped_byte_in_a_streamed_blob_fails_before_the_last_chunk(tmp_path: Path) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage, 3 * MiB + 5)
@@ -67,6 +73,7 @@ async def test_a_flipped_byte_in_a_streamed_blob_fails_before_the_last_chunk(tmp
         assert_consistent(storage)
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_a_removed_file_leaves_the_index_at_its_first_read(tmp_path: Path) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         small, small_data = await stored(storage, 100)
@@ -82,6 +89,7 @@ async def test_a_removed_file_leaves_the_index_at_its_first_read(tmp_path: Path)
         assert_consistent(storage)
 
 
+@pytest.mark.usefixtures("files_only")
 @pytest.mark.parametrize("then", ["find_missing", "find_missing_indices", "write", "write_blobs"])
 async def test_a_lookup_that_finds_no_file_makes_the_next_call_recheck(tmp_path: Path, then: str) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:

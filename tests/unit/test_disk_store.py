@@ -19,6 +19,8 @@ from disk_helpers import (
     assert_consistent,
     blob_path,
     chunked,
+    either_layout,
+    files_only,
     files_under,
     fill,
     fill_one,
@@ -36,6 +38,10 @@ from buildvault.storage import (
 )
 from buildvault.storage.disk import SMALL_OP, WRITE_BATCH, DiskStorage, accache, fileops
 
+# Tests that work on files directly (remove, damage, count them) run with the file layout
+# (files_only); the others with both layouts (either_layout). test_disk_records.py covers records.
+__all__ = ["either_layout", "files_only"]  # fixtures
+
 
 @pytest.fixture
 async def storage(tmp_path: Path) -> AsyncIterator[DiskStorage]:
@@ -47,6 +53,7 @@ async def storage(tmp_path: Path) -> AsyncIterator[DiskStorage]:
 # -- layout and atomic publishing ----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_layout_is_sharded_by_function_and_hash(storage: DiskStorage) -> None:
     data = b"layout"
     for function in DigestFunction:
@@ -56,6 +63,7 @@ async def test_layout_is_sharded_by_function_and_hash(storage: DiskStorage) -> N
         assert storage.path_of(digest) == str(blob_path(storage.root, digest))
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_publish_is_atomic(storage: DiskStorage) -> None:
     data = os.urandom(2 * WRITE_BATCH + 100)
     digest = Digest.of(data)
@@ -86,6 +94,7 @@ async def test_publish_is_atomic(storage: DiskStorage) -> None:
     assert list(tmp.iterdir()) == []
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_concurrent_writers_leave_one_file_and_no_temp(storage: DiskStorage) -> None:
     data = os.urandom(3 * WRITE_BATCH + 1)
     digest = Digest.of(data)
@@ -96,6 +105,7 @@ async def test_concurrent_writers_leave_one_file_and_no_temp(storage: DiskStorag
     assert storage.stats().blob_count == 1
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_existing_blob_is_not_read_again(storage: DiskStorage) -> None:
     data = b"already here"
     digest = Digest.of(data)
@@ -109,6 +119,7 @@ async def test_existing_blob_is_not_read_again(storage: DiskStorage) -> None:
     assert await read_all(storage, digest) == data
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_a_damaged_or_vanished_blob_becomes_not_found(storage: DiskStorage) -> None:
     truncated, deleted = await fill(storage, 2, 1000)
     with open(blob_path(storage.root, truncated), "r+b") as f:
@@ -124,6 +135,7 @@ async def test_a_damaged_or_vanished_blob_becomes_not_found(storage: DiskStorage
     assert await read_all(storage, truncated) == (0).to_bytes(4, "big") * 250
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_batch_reads_find_damaged_and_vanished_files(storage: DiskStorage) -> None:
     good, longer, shorter, gone = [await fill_one(storage, bytes([n]) * 300) for n in range(4)]
     blob_path(storage.root, longer).write_bytes(bytes(301))
@@ -140,6 +152,7 @@ async def test_batch_reads_find_damaged_and_vanished_files(storage: DiskStorage)
 # -- LRU and space -------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_lru_evicts_least_recently_used_first(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     digests = await fill(storage, 10, 100)
@@ -167,6 +180,7 @@ async def test_lru_evicts_least_recently_used_first(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_blob_larger_than_the_store_is_refused_before_reading(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     kept = await fill(storage, 5, 100)
@@ -189,6 +203,7 @@ async def test_blob_larger_than_the_store_is_refused_before_reading(tmp_path: Pa
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_space_held_by_writes_in_progress_is_not_promised_twice(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     first = b"a" * 800
@@ -211,6 +226,7 @@ async def test_space_held_by_writes_in_progress_is_not_promised_twice(tmp_path: 
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_total_stays_under_max_with_concurrent_writers_and_readers(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 20_000, hold_seconds=0)
     rng = random.Random(7)
@@ -239,6 +255,7 @@ async def test_total_stays_under_max_with_concurrent_writers_and_readers(tmp_pat
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_reader_survives_eviction(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 4 * CHUNK_SIZE, hold_seconds=0)
     data = os.urandom(3 * CHUNK_SIZE + 5)
@@ -258,10 +275,12 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_readers_close_their_fds(storage: DiskStorage) -> None:
     data = os.urandom(4 * CHUNK_SIZE)
     digest = Digest.of(data)
     await storage.cas.write(digest, chunked(data, CHUNK_SIZE))
+    gc.collect()  # a store an earlier test left open would close its fds (LMDB's) at some later collection
     baseline = open_fds()
     assert await read_all(storage, digest) == data
     assert open_fds() == baseline
@@ -277,6 +296,7 @@ async def test_readers_close_their_fds(storage: DiskStorage) -> None:
     await wait_until(lambda: open_fds() == baseline, 10, "the dropped reader's fd to be closed")
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_enospc_becomes_storage_full_and_leaves_nothing(
     storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -303,6 +323,7 @@ async def test_enospc_becomes_storage_full_and_leaves_nothing(
 # -- keys kept apart -----------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_sha256_and_blake3_with_the_same_hex_are_different_blobs(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     sha_data = b"the sha256 blob"
@@ -330,6 +351,7 @@ async def test_sha256_and_blake3_with_the_same_hex_are_different_blobs(tmp_path:
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_action_namespaces_are_kept_apart(storage: DiskStorage) -> None:
     digest = Digest.of(b"an action")
     namespaces = [
@@ -356,6 +378,7 @@ async def test_action_namespaces_are_kept_apart(storage: DiskStorage) -> None:
             await storage.ac.put(bad, digest, b"x")
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_action_entries_are_replaced_and_survive_restart(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     digest = Digest.of(b"action")
@@ -375,6 +398,7 @@ async def test_action_entries_are_replaced_and_survive_restart(tmp_path: Path) -
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_action_entries_share_the_cap_and_lru(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     action = Digest.of(b"action")
@@ -389,6 +413,7 @@ async def test_action_entries_share_the_cap_and_lru(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_action_entries_are_served_from_memory_and_stay_current(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -419,6 +444,7 @@ async def test_action_entries_are_served_from_memory_and_stay_current(
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_the_action_cache_in_memory_is_bounded(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(accache, "AC_CACHE_BYTES", 64 * 100)
     for n in range(200):
@@ -432,6 +458,7 @@ async def test_the_action_cache_in_memory_is_bounded(storage: DiskStorage, monke
 # -- not blocking the loop ------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_small_chunks_are_batched_into_few_thread_hops(storage: DiskStorage) -> None:
     data = os.urandom(16 * WRITE_BATCH)
     digest = Digest.of(data)
@@ -443,6 +470,7 @@ async def test_small_chunks_are_batched_into_few_thread_hops(storage: DiskStorag
     assert 0 < storage.pool_trips - before <= 16 + 1
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_small_operations_of_one_loop_iteration_share_one_trip(storage: DiskStorage) -> None:
     blobs = [os.urandom(100 + n) for n in range(50)]
     before = storage.pool_trips
@@ -453,6 +481,7 @@ async def test_small_operations_of_one_loop_iteration_share_one_trip(storage: Di
     assert storage.pool_trips - before == 1
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_find_missing_makes_no_syscalls(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
     digests = await fill(storage, 3, 10)
     absent = Digest.of(b"absent")
@@ -470,6 +499,7 @@ async def test_find_missing_makes_no_syscalls(storage: DiskStorage, monkeypatch:
     assert storage.pool_trips == trips
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_stats(tmp_path: Path) -> None:
     clock = [1_000_000.0]
     storage = await DiskStorage.open(tmp_path, 1 << 30, clock=lambda: clock[0])
@@ -489,6 +519,7 @@ async def test_stats(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_find_missing_indices_matches_find_missing(storage: DiskStorage) -> None:
     stored = await fill(storage, 4, 40)
     absent = [Digest.of(b"absent %d" % n) for n in range(3)]
@@ -505,6 +536,7 @@ async def test_find_missing_indices_matches_find_missing(storage: DiskStorage) -
 # -- cancellation ----------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_cancelling_around_a_slow_publish_keeps_everything_consistent(
     storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -539,6 +571,7 @@ async def test_cancelling_around_a_slow_publish_keeps_everything_consistent(
     assert_consistent(storage)
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_cancelling_small_writes_in_a_coalesced_trip_keeps_everything_consistent(
     storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,7 +15,9 @@ from disk_helpers import (
     assert_consistent,
     blob_path,
     chunked,
+    either_layout,
     file_clock_passes,
+    files_only,
     fill,
     fill_one,
     read_all,
@@ -28,6 +30,10 @@ from buildvault.remote_apis import re_pb2
 from buildvault.storage import NotFound, StorageError, ac_namespace
 from buildvault.storage.disk import DiskStorage, durability, layout, startup
 
+# Tests that work on files directly (remove, damage, count them) run with the file layout
+# (files_only); the others with both layouts (either_layout). test_disk_records.py covers records.
+__all__ = ["either_layout", "files_only"]  # fixtures
+
 
 def sync_marker(root: Path) -> tuple[bool, int] | None:
     return durability.read_sync_marker(str(root / "SYNC"))
@@ -36,6 +42,7 @@ def sync_marker(root: Path) -> tuple[bool, int] | None:
 # -- sync points and crash re-verification ---------------------------------------------------
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_writes_are_not_fsynced_one_by_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Durability comes from sync points, not from an fsync per entry."""
     storage = await DiskStorage.open(tmp_path, 1 << 30)
@@ -68,6 +75,7 @@ async def test_writes_are_not_fsynced_one_by_one(tmp_path: Path, monkeypatch: py
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_the_syncer_runs_only_after_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     syncfs = durability.syncfs
@@ -92,6 +100,7 @@ async def test_the_syncer_runs_only_after_changes(tmp_path: Path, monkeypatch: p
     assert marker is not None and marker[0]  # closed cleanly
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_unclean_restart_deletes_entries_torn_since_the_sync_point(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -137,6 +146,7 @@ async def test_unclean_restart_deletes_entries_torn_since_the_sync_point(
     [(None, ["ac/ci", "raw/ci"]), (entry_is_intact, ["raw/ci"])],
     ids=["opaque-rule-only", "actions.entry_is_intact"],
 )
+@pytest.mark.usefixtures("files_only")
 async def test_action_entries_are_checked_by_the_validator_handed_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, validator: durability.EntryValidator | None, kept: list[str]
 ) -> None:
@@ -173,6 +183,7 @@ async def test_action_entries_are_checked_by_the_validator_handed_in(
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 def test_entry_is_intact_keeps_the_rules_of_each_kind() -> None:
     result = re_pb2.ActionResult(exit_code=3).SerializeToString()
     assert entry_is_intact("ac", result)
@@ -182,6 +193,7 @@ def test_entry_is_intact_keeps_the_rules_of_each_kind() -> None:
     assert entry_is_intact("raw", b"\xff\xff garbage")  # opaque: not parsed
 
 
+@pytest.mark.usefixtures("either_layout")
 def test_the_disk_store_parses_no_reapi_message() -> None:
     """The ActionResult check is handed in (actions.entry_is_intact); the store itself loads no protobuf."""
     code = (
@@ -192,6 +204,7 @@ def test_the_disk_store_parses_no_reapi_message() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_clean_restart_verifies_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(durability, "SYNC_MARGIN_NS", 0)
     storage = await DiskStorage.open(tmp_path, 1 << 20)
@@ -212,6 +225,7 @@ async def test_clean_restart_verifies_nothing(tmp_path: Path, monkeypatch: pytes
 # -- restart -------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_stale_temp_files_are_removed_at_start_up(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     await storage.close()
@@ -224,6 +238,7 @@ async def test_stale_temp_files_are_removed_at_start_up(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_index_survives_restart(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 30)
     digests = await fill(storage, 20, 1000)
@@ -245,6 +260,7 @@ async def test_index_survives_restart(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_lru_order_survives_restart(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000, hold_seconds=0)
     digests = await fill(storage, 10, 100)
@@ -256,6 +272,7 @@ async def test_lru_order_survives_restart(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_after_a_crash_the_order_comes_from_mtimes(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 300)
     a, b, c = [await fill_one(storage, bytes([n]) * 100) for n in range(3)]
@@ -272,6 +289,7 @@ async def test_after_a_crash_the_order_comes_from_mtimes(tmp_path: Path) -> None
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_stale_snapshot_is_merged_with_the_disk(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     a = await fill_one(storage, b"a" * 10)
@@ -289,6 +307,7 @@ async def test_stale_snapshot_is_merged_with_the_disk(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_changes_made_while_stopped_are_found(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     kept, removed = await fill(storage, 2, 64)
@@ -310,6 +329,7 @@ async def test_changes_made_while_stopped_are_found(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_checkpoint_then_crash_rescans_only_changed_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layout, "RACY_NS", 0)
     storage = await DiskStorage.open(tmp_path, 1 << 20)
@@ -326,6 +346,7 @@ async def test_checkpoint_then_crash_rescans_only_changed_dirs(tmp_path: Path, m
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_recently_changed_dirs_are_not_trusted(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     digests = await fill(storage, 3, 64)
@@ -337,6 +358,7 @@ async def test_recently_changed_dirs_are_not_trusted(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_changes_during_a_checkpoint_mark_their_dirs_untrusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,6 +391,7 @@ async def test_changes_during_a_checkpoint_mark_their_dirs_untrusted(
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_without_a_snapshot_a_big_store_skips_the_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(startup, "STAT_ORDER_LIMIT", 3)
     storage = await DiskStorage.open(tmp_path, 1 << 20)
@@ -381,6 +404,7 @@ async def test_without_a_snapshot_a_big_store_skips_the_stats(tmp_path: Path, mo
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 @pytest.mark.parametrize("garbage", [b"", b"BVLRU\x00\x00\x01" + b"\xff" * 40, os.urandom(100)])
 async def test_corrupt_snapshot_falls_back_to_mtimes(tmp_path: Path, garbage: bytes) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
@@ -394,6 +418,7 @@ async def test_corrupt_snapshot_falls_back_to_mtimes(tmp_path: Path, garbage: by
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_truncated_snapshot_is_ignored(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     digests = await fill(storage, 5, 64)
@@ -406,6 +431,7 @@ async def test_truncated_snapshot_is_ignored(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("files_only")
 async def test_lowering_max_size_evicts_at_open(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1000)
     digests = await fill(storage, 10, 100)
@@ -417,6 +443,7 @@ async def test_lowering_max_size_evicts_at_open(tmp_path: Path) -> None:
     await storage.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_a_root_is_used_by_one_store_at_a_time(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     with pytest.raises(StorageError, match="in use"):
@@ -426,6 +453,7 @@ async def test_a_root_is_used_by_one_store_at_a_time(tmp_path: Path) -> None:
     await again.close()
 
 
+@pytest.mark.usefixtures("either_layout")
 async def test_reopen_after_close(tmp_path: Path) -> None:
     storage = await DiskStorage.open(tmp_path, 1 << 20)
     await storage.close()

@@ -12,11 +12,11 @@ from buildvault.server.metrics import Metrics
 from buildvault.storage import StorageFull
 from buildvault.storage.build import open_store_stack
 
-A, B = b"a" * 3072, b"b" * 3072  # a 4 KiB cap holds one of them
+A, B = b"a" * 3072, b"b" * 3072  # an 8 KiB cap holds one of them (a record of 3 KiB counts for 4,210 bytes)
 
 
 async def present_after_writing_a_then_b(tmp_path: Path, hold: int) -> tuple[bool, bool]:
-    stack = await open_store_stack(Settings(dir=tmp_path, max_size=4096, eviction_hold=hold), Metrics())
+    stack = await open_store_stack(Settings(dir=tmp_path, max_size=8192, eviction_hold=hold), Metrics())
     try:
         await stack.blobs.write(Digest.of(A), A)
         if hold:  # A was just written: B is refused rather than evicting it

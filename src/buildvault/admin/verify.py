@@ -9,35 +9,40 @@ With a bucket configured (`--s3-bucket`, as the server's settings), `--repair` f
 damaged or missing blob again from the bucket (admin/refetch.py: kept only if it matches its
 digest); a dangling entry whose blobs all come back is kept, whole.
 
+Small blobs and entries are records in LMDB (storage/disk/records.py): they are checked the same
+way, through admin/records.py, and reported by the path their file would have under records/.
+
 Safe beside a running server: it only reads, files are replaced by atomic renames (a file read
-half-way through a replacement is the old inode, whole), and a file that vanishes meanwhile
-(evicted) is skipped. Before removing anything it checks the file is still the one it read.
+half-way through a replacement is the old inode, whole), a file that vanishes meanwhile
+(evicted) is skipped, and records are read in short LMDB transactions beside the server's.
+Before removing anything it checks the file or record is still the one it read.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from buildvault.actions import entry_is_intact
 from buildvault.admin.bucket import Bucket, BucketError
+from buildvault.admin.records import AdminRecords, Record
 from buildvault.admin.refetch import Refetcher, unchanged
 from buildvault.admin.report import emit, human_bytes, progress
+from buildvault.admin.verify_files import BlobFile, Checked, blob_files, blob_is_intact, check_blobs, entry_files
 from buildvault.config import Settings
-from buildvault.digest import DigestFunction, new_hasher
+from buildvault.digest import DigestFunction
 from buildvault.remote_apis import re_pb2
 
-READ_CHUNK = 1 << 20
 BATCH = 256  # blobs per thread-pool trip
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib and blake3 release the GIL
@@ -45,13 +50,6 @@ HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib and blake3 release
 
 class VerifyError(ValueError):
     """The store cannot be verified; the message names the setting."""
-
-
-class BlobFile(NamedTuple):  # a tuple: hundreds of thousands are made, cheaply
-    path: str
-    function: DigestFunction
-    hash: str
-    size: int
 
 
 @dataclass
@@ -95,95 +93,6 @@ class Findings:
         }
 
 
-def blob_files(root: Path) -> Iterator[BlobFile]:
-    """Every `cas/<fn>/<hh>/<hash>-<size>` file (names that are no blob's are not listed)."""
-    for function in DigestFunction:
-        base = root / "cas" / function.label
-        if not base.is_dir():
-            continue
-        for shard in sorted(os.listdir(base)):
-            shard_dir = base / shard
-            try:
-                names = os.listdir(shard_dir)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for name in names:
-                hex_hash, _, size_text = name.partition("-")
-                if len(hex_hash) == 64 and size_text.isdigit() and hex_hash.startswith(shard):
-                    yield BlobFile(f"{shard_dir}/{name}", function, hex_hash, int(size_text))
-
-
-def entry_files(root: Path) -> Iterator[tuple[str, str, DigestFunction]]:
-    """(path, kind, digest function) of every action entry under `ac/<kind>/<instance...>/@<fn>/<hh>/`."""
-    ac_dir = root / "ac"
-    if not ac_dir.is_dir():
-        return
-    for directory, subdirs, files in os.walk(ac_dir):
-        relative = Path(directory).relative_to(ac_dir).parts
-        if len(relative) >= 3 and relative[-2].startswith("@"):
-            try:
-                function = DigestFunction.from_label(relative[-2][1:])
-            except ValueError:
-                continue
-            for name in files:
-                if len(name) == 64:
-                    yield f"{directory}/{name}", relative[0], function
-            subdirs.clear()
-
-
-_buffers = threading.local()
-
-
-def _read_and_hash(fd: int, blob: BlobFile) -> bool:
-    """Whether the open file `fd` holds exactly the blob its name says."""
-    hasher = new_hasher(blob.function)
-    if blob.size <= READ_CHUNK:
-        # One read of exactly one byte more than the name says (a longer file shows in the
-        # length); asking for more would allocate (and fault in) that much for every small blob.
-        data = os.read(fd, blob.size + 1)
-        if len(data) != blob.size:
-            return False
-        hasher.update(data)
-        return hasher.hexdigest() == blob.hash
-    buffer = getattr(_buffers, "buffer", None)
-    if buffer is None:  # one buffer per hashing thread, not one per blob
-        buffer = _buffers.buffer = bytearray(READ_CHUNK)
-    view = memoryview(buffer)
-    size = 0
-    while read := os.readv(fd, [buffer]):
-        hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
-        size += read
-    return size == blob.size and hasher.hexdigest() == blob.hash
-
-
-def blob_is_intact(blob: BlobFile) -> bool | None:
-    """True if the content matches its name, False if not, None if the file vanished."""
-    checked = check_blob(blob)
-    return None if checked is None else checked[0]
-
-
-Checked = tuple[bool, os.stat_result | None] | None
-
-
-def check_blob(blob: BlobFile) -> Checked:
-    """(True, None) if intact; (False, the stat of the file read) if not, taken on the open file
-    (fstat: the stat of the bytes hashed, no second path lookup); None if the file vanished."""
-    try:
-        fd = os.open(blob.path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        return (True, None) if _read_and_hash(fd, blob) else (False, os.fstat(fd))
-    finally:
-        os.close(fd)
-
-
-def check_blobs(batch: list[BlobFile]) -> list[Checked]:
-    """`check_blob` of each: one thread-pool trip per batch, not per file (small blobs cost
-    little more than that trip)."""
-    return [check_blob(blob) for blob in batch]
-
-
 def referenced(result: re_pb2.ActionResult, read_blob: Any) -> set[str]:
     """`<hash>-<size>` names of the blobs an ActionResult needs (Tree contents included)."""
     names: set[str] = set()
@@ -225,12 +134,18 @@ def check_root(root: Path) -> None:
         raise VerifyError(f"--dir: {root} is not a buildvault data directory (no cas/)")
 
 
-def verify(
-    root: Path, repair: bool = False, show_progress: bool = True, source: Refetcher | None = None
-) -> Findings:
+def verify(root: Path, repair: bool = False, show_progress: bool = True, source: Refetcher | None = None) -> Findings:
     """Check (and with `repair`, clean) the store at `root`; with `source` too, a repair refetches
     from the bucket first. Raises VerifyError for a wrong --dir, BucketError if the bucket fails."""
     check_root(root)
+    recs = AdminRecords(root)
+    try:
+        return _verify(root, recs, repair, show_progress, source)
+    finally:
+        recs.close()
+
+
+def _verify(root: Path, recs: AdminRecords, repair: bool, show_progress: bool, source: Refetcher | None) -> Findings:
     started = time.perf_counter()
     findings = Findings()
     refetch = source if repair else None
@@ -243,16 +158,31 @@ def verify(
             advance(len(batch))
             for blob, ok in zip(batch, results, strict=True):
                 _tally(findings, blob, ok, stats, intact, refetch)
+    bad_records: dict[str, Record] = {}
+    for record, function, hash_, size, good in recs.blobs():  # small blobs: records (admin/records.py)
+        findings.blobs += 1
+        findings.bytes += size
+        if good:
+            intact[(function, f"{hash_}-{size}")] = None
+            continue
+        findings.corrupt_blobs.append(record.label)
+        bad_records[record.label] = record
+        if refetch is not None and refetch.restore_record(recs, function, hash_, size, record.value):
+            findings.restored_blobs.append(record.label)
+            intact[(function, f"{hash_}-{size}")] = None
 
     def blob_path(function: DigestFunction, name: str) -> Path:
         return root / "cas" / function.label / name[:2] / name
 
     def read_blob(function: DigestFunction, digest: re_pb2.Digest) -> bytes | None:
         key = f"{digest.hash}-{digest.size_bytes}"
-        if (function, key) not in intact:
+        if (function, key) not in intact or not _HEX64.fullmatch(digest.hash):
             return None
+        if recs.holds(digest.size_bytes):
+            return recs.blob(function, digest.hash, digest.size_bytes)
         try:
-            return blob_path(function, key).read_bytes()
+            data: bytes = blob_path(function, key).read_bytes()
+            return data
         except FileNotFoundError:
             return None
 
@@ -260,14 +190,20 @@ def verify(
         """Intact now: seen so, written (by a server) since the listing, or fetched back from the bucket."""
         if (function, name) in intact:
             return True
-        hash_, _, size = name.partition("-")
+        hash_, _, size_text = name.partition("-")
         if not _HEX64.fullmatch(hash_):  # a hostile entry names no path outside cas/
             return False
-        found = BlobFile(str(blob_path(function, name)), function, hash_, int(size))
-        if blob_is_intact(found) or (refetch is not None and refetch.restore(function, hash_, int(size), None)):
+        size = int(size_text)
+        if recs.holds(size):
+            found = recs.blob(function, hash_, size) is not None
+            found = found or (refetch is not None and refetch.restore_record(recs, function, hash_, size, None))
+        else:
+            found = blob_is_intact(BlobFile(str(blob_path(function, name)), function, hash_, size)) or (
+                refetch is not None and refetch.restore(function, hash_, size, None)
+            )
+        if found:
             intact[(function, name)] = None
-            return True
-        return False
+        return bool(found)
 
     def missing_blobs(result: re_pb2.ActionResult, function: DigestFunction) -> bool:
         # A Tree fetched back names more blobs: ask again until nothing new comes back.
@@ -281,7 +217,30 @@ def verify(
             checked |= needed
 
     entries = list(entry_files(root))
-    bad_entries: list[tuple[str, os.stat_result]] = []
+    bad_entries: list[Callable[[], bool]] = []  # each removes one bad entry if it is unchanged
+
+    def check_entry(label: str, kind: str, function: DigestFunction, data: bytes, remove: Callable[[], bool]) -> None:
+        findings.entries += 1
+        if not entry_is_intact(kind, data):
+            findings.broken_entries.append(label)
+            bad_entries.append(remove)
+            return
+        if kind != "ac":
+            return
+        try:
+            result = re_pb2.ActionResult.FromString(data)
+            fetched_before = refetch.fetched if refetch is not None else 0
+            dangling = missing_blobs(result, function)
+        except DecodeError:
+            findings.broken_entries.append(label)
+            bad_entries.append(remove)
+            return
+        if dangling:
+            findings.dangling_entries.append(label)
+            bad_entries.append(remove)
+        elif refetch is not None and refetch.fetched > fetched_before:
+            findings.restored_entries.append(label)
+
     with progress("action entries", len(entries), show_progress) as advance:
         for path, kind, function in entries:
             advance()
@@ -292,33 +251,21 @@ def verify(
             except FileNotFoundError:
                 findings.vanished += 1
                 continue
-            findings.entries += 1
-            if not entry_is_intact(kind, data):
-                findings.broken_entries.append(path)
-                bad_entries.append((path, stat))
-                continue
-            if kind != "ac":
-                continue
-            try:
-                result = re_pb2.ActionResult.FromString(data)
-                fetched_before = refetch.fetched if refetch is not None else 0
-                dangling = missing_blobs(result, function)
-            except DecodeError:
-                findings.broken_entries.append(path)
-                bad_entries.append((path, stat))
-                continue
-            if dangling:
-                findings.dangling_entries.append(path)
-                bad_entries.append((path, stat))
-            elif refetch is not None and refetch.fetched > fetched_before:
-                findings.restored_entries.append(path)
+            check_entry(path, kind, function, data, functools.partial(_remove_if_unchanged, path, stat))
+    for record, kind, function, crc_ok in recs.entries():
+        data = record.data if crc_ok else b""  # a record failing its CRC is broken whatever its bytes
+        check_entry(record.label, kind, function, data, functools.partial(recs.remove_if_unchanged, record))
     if repair:
         # Entries before blobs: an interrupted repair leaves no entry pointing at a removed blob.
-        for path, stat in bad_entries:
-            findings.removed += _remove_if_unchanged(path, stat)
+        for remove in bad_entries:
+            findings.removed += remove()
         restored = set(findings.restored_blobs)
         for path in findings.corrupt_blobs:
-            if path not in restored:
+            if path in restored:
+                continue
+            if path in bad_records:
+                findings.removed += recs.remove_if_unchanged(bad_records[path])
+            else:
                 findings.removed += _remove_if_unchanged(path, stats[path])
     findings.refetched = refetch.fetched if refetch is not None else 0
     findings.seconds = time.perf_counter() - started

@@ -21,13 +21,19 @@ from pathlib import Path
 from typing import Any
 
 from buildvault.storage import StorageError
-from buildvault.storage.disk import fileops
+from buildvault.storage.disk import fileops, records
 from buildvault.storage.disk.coalescer import Coalescer
 from buildvault.storage.disk.index import Index
 from buildvault.storage.disk.layout import AcKeys, Layout, dir_id
 
 log = logging.getLogger("buildvault.storage.disk")
 
+# Incoming chunks are gathered to this size before one thread hop hashes and writes them:
+# Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
+WRITE_BATCH = 1 << 20
+# Blobs and entries up to this size are written and read whole, and their file operations are
+# coalesced (coalescer.py).
+SMALL_OP = WRITE_BATCH
 # Hashes remembered for a re-check; beyond this the oldest are forgotten (the entry then heals at
 # its next read instead).
 MAX_SUSPECTS = 4096
@@ -50,10 +56,17 @@ class Core:
     """Shared state of one open store (event-loop side)."""
 
     def __init__(
-        self, root: Path, max_size: int, max_workers: int | None, clock: Callable[[], float], hold_seconds: int
+        self,
+        root: Path,
+        max_size: int,
+        max_workers: int | None,
+        clock: Callable[[], float],
+        hold_seconds: int,
+        record_limit: int,
     ) -> None:
         self.layout = Layout(root)
-        self.index = Index(max_size, clock, hold_seconds)
+        self.index = Index(max_size, clock, hold_seconds, record_limit)
+        self.records = records.Records(self.layout.records_dir, max_size, record_limit)
         self.ac_keys = AcKeys()
         workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
         self.executor = CountingPool(workers, thread_name_prefix="buildvault-disk")
@@ -102,10 +115,20 @@ class Core:
     def evict(self, need: int, *, hold: bool = True) -> list[asyncio.Future[None]]:
         """Drop least recently used entries until `need` bytes are freed (with `hold`, none used
         within index.hold_seconds); unlink their files in the pool."""
-        return [self.delete_file(key) for key in self.index.evict(need, self.publishing, hold=hold)]
+        return [self.delete_file(key, record) for key, record in self.index.evict(need, self.publishing, hold=hold)]
 
-    def delete_file(self, key: bytes) -> asyncio.Future[None]:
-        future = self.ops.submit(fileops.unlink_quiet, (self.layout.path(key),))
+    def where(self, key: bytes) -> str:
+        """The indexed entry's file, or its record (for messages)."""
+        if self.index.in_records(key):
+            return f"record {key[1:33].hex()} in {self.layout.records_dir}"
+        return self.layout.path(key)
+
+    def delete_file(self, key: bytes, record: bool) -> asyncio.Future[None]:
+        """Remove an entry's file, or its record, in the pool (the index has forgotten it)."""
+        if record:
+            future = self.ops.submit(records.delete_many, (self.records, [key]))
+        else:
+            future = self.ops.submit(fileops.unlink_quiet, (self.layout.path(key),))
         self.deleting[key] = future
 
         def done(f: asyncio.Future[None], key: bytes = key) -> None:
@@ -116,18 +139,19 @@ class Core:
         return future
 
     def drop_missing(self, key: bytes) -> None:
-        """The file vanished behind our back (deleted by hand): forget it."""
+        """The file or record vanished behind our back (deleted by hand, by verify --repair): forget it."""
         if key in self.index.entries and key not in self.publishing:
-            log.warning("%s vanished from disk; dropping it from the index", self.layout.path(key))
+            log.warning("%s vanished from disk; dropping it from the index", self.where(key))
             self.index.forget(key)
 
     def drop_damaged(self, key: bytes) -> None:
-        """The file has not the size or content its name says (bit rot, a hand edit): forget and
-        delete it, so a NotFound makes the client upload it again."""
+        """The file or record has not the size or content its key says (bit rot, a hand edit):
+        forget and delete it, so a NotFound makes the client upload it again."""
         if key in self.index.entries and key not in self.publishing:
-            log.error("%s is damaged (wrong size or content); deleting it", self.layout.path(key))
+            log.error("%s is damaged (wrong size or content); deleting it", self.where(key))
+            record = self.index.in_records(key)
             self.index.forget(key)
-            self.delete_file(key)
+            self.delete_file(key, record)
 
     def suspect(self, hex_hash: str) -> None:
         """A lookup by hash found no file: re-check any entry of that hash when next named."""

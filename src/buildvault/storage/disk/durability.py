@@ -12,6 +12,12 @@ is checked, and the wrong ones are deleted, so a torn or zero-filled file is nev
 Blobs are checked by size and hash. Action entries are checked by the validator the store was
 opened with, called with the entry's kind ("ac", "raw": the namespace's first segment) and its
 bytes; without one, `opaque_entry_is_intact` (not empty, not zero-filled) applies to every kind.
+
+Records (records.py) are covered by the same syncfs. SYNC also holds LMDB's last transaction id
+at the sync point (for diagnosis) and the boot id of the system that wrote it. A killed process
+cannot tear a committed LMDB transaction, so after an unclean stop on the same boot the records
+need no check; after an unclean stop followed by a reboot (an OS crash or power loss), or with a
+SYNC that has no boot id, every record is re-verified (`records_need_verifying`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from buildvault.storage import CHUNK_SIZE, StorageError
 from buildvault.storage.disk import fileops
 from buildvault.storage.disk.index import Index
 from buildvault.storage.disk.layout import FN_BY_BYTE, Layout, LeafDirs, cas_size, is_ac, key_of_name, kind_of
+from buildvault.storage.disk.records import Records
 
 log = logging.getLogger("buildvault.storage.disk")
 
@@ -40,7 +47,19 @@ SYNC_INTERVAL = 1.0
 # File times come from a coarse kernel clock that may lag the wall clock a little: after an
 # unclean shutdown, files changed up to this long before the last sync point are verified too.
 SYNC_MARGIN_NS = 2_000_000_000
-SYNC_MAGIC = b"BVSYNC\x00\x01"
+SYNC_MAGIC_V1 = b"BVSYNC\x00\x01"  # clean, sync point
+SYNC_MAGIC = b"BVSYNC\x00\x02"  # clean, sync point, LMDB transaction id, boot id
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> bytes:
+    """16 bytes naming this boot of the system (b"" where unknown): a change means the OS restarted."""
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\x00")
+    except (OSError, ValueError):
+        return b""
+
 
 _libc: Any = None
 
@@ -67,31 +86,57 @@ def opaque_entry_is_intact(kind: str, data: bytes) -> bool:
     return bool(data) and bool(data.strip(b"\x00"))
 
 
-def write_sync_marker(layout: Layout, started_ns: int, clean: bool) -> None:
-    """syncfs, then durably record `started_ns` (and whether this is a clean close) in SYNC."""
+def write_sync_marker(layout: Layout, started_ns: int, clean: bool, records_txnid: int = 0) -> None:
+    """syncfs, then durably record `started_ns` (whether this is a clean close, the LMDB
+    transaction that sync covers, this boot's id) in SYNC."""
     fd = os.open(layout.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         syncfs(fd)
     finally:
         os.close(fd)
-    body = SYNC_MAGIC + bytes([clean]) + started_ns.to_bytes(8, "little")
+    body = SYNC_MAGIC + bytes([clean]) + started_ns.to_bytes(8, "little") + records_txnid.to_bytes(8, "little")
+    body += boot_id().ljust(16, b"\x00")
     fileops.replace_durably(layout.tmp_dir, layout.sync_path, [body, zlib.crc32(body).to_bytes(4, "little")])
 
 
-def read_sync_marker(path: str) -> tuple[bool, int] | None:
-    """(clean, sync point in ns) from the SYNC file at `path`; None if there is none (a new store,
-    or one made before sync points existed, when every write was fsync'ed); (False, 0) if damaged."""
+def read_sync_point(path: str) -> tuple[bool, int, int, bytes] | None:
+    """(clean, sync point in ns, LMDB transaction id, boot id) from the SYNC file at `path`; None
+    if there is none (a new store, or one made before sync points existed, when every write was
+    fsync'ed); (False, 0, 0, b"") if damaged. A SYNC of the first format has no id (0, b"")."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return None
     body = data[:-4]
-    intact = len(data) == len(SYNC_MAGIC) + 13 and data.startswith(SYNC_MAGIC)
+    n = len(SYNC_MAGIC)
+    if len(data) == n + 13 and data.startswith(SYNC_MAGIC_V1):
+        intact, txnid, boot = True, 0, b""
+    elif len(data) == n + 37 and data.startswith(SYNC_MAGIC):
+        intact, txnid, boot = True, int.from_bytes(body[n + 9 : n + 17], "little"), body[n + 17 :]
+    else:
+        intact, txnid, boot = False, 0, b""
     if not intact or zlib.crc32(body) != int.from_bytes(data[-4:], "little"):
         log.warning("%s is damaged: verifying every entry", path)
-        return False, 0
-    return bool(body[len(SYNC_MAGIC)]), int.from_bytes(body[-8:], "little")
+        return False, 0, 0, b""
+    return bool(body[n]), int.from_bytes(body[n + 1 : n + 9], "little"), txnid, boot
+
+
+def read_sync_marker(path: str) -> tuple[bool, int] | None:
+    """(clean, sync point in ns) from the SYNC file at `path` (see read_sync_point)."""
+    point = read_sync_point(path)
+    return None if point is None else (point[0], point[1])
+
+
+def records_need_verifying(point: tuple[bool, int, int, bytes] | None, txnid: int) -> bool:
+    """After an unclean stop: whether the records may be torn (see the module docstring). `txnid`:
+    LMDB's last transaction now."""
+    if point is None or point[0] or txnid == 0:
+        return False  # a new store, a clean close, or no records at all
+    _clean, _at, _synced_txnid, boot = point
+    # A reboot: pages of transactions after the sync point may be on disk in part, whatever
+    # transaction id the meta pages now name (LMDB reuses freed pages). No boot id: assume one.
+    return not boot or boot != boot_id()
 
 
 def verify_entry(path: str, key: bytes, validate: EntryValidator) -> bool:
@@ -149,9 +194,10 @@ class Syncer:
     take seconds under heavy writes). The periodic loop syncs only when the index says something
     was published since the last sync point (`Index.unsynced`)."""
 
-    def __init__(self, layout: Layout, index: Index) -> None:
+    def __init__(self, layout: Layout, index: Index, records: Records | None = None) -> None:
         self._layout = layout
         self._index = index
+        self._records = records
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buildvault-sync")
         self._task: asyncio.Task[None] | None = None
         self.synced_at: int | None = None  # the last sync point recorded (wall clock ns)
@@ -159,7 +205,8 @@ class Syncer:
 
     def mark(self, started_ns: int, clean: bool) -> None:
         """Thread side: sync and record `started_ns` as the sync point."""
-        write_sync_marker(self._layout, started_ns, clean)
+        txnid = self._records.txnid() if self._records is not None and self._records.env is not None else 0
+        write_sync_marker(self._layout, started_ns, clean, txnid)
         self.synced_at = started_ns
 
     def start(self, interval: float) -> None:

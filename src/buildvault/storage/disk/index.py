@@ -10,7 +10,9 @@ Recency is kept here and persisted in the snapshot, not derived from atime/mtime
 usually off (noatime/relatime), and keeping mtime current would cost a metadata write per read.
 
 Space: `used` counts published entries, `reserved` bytes promised to writes in progress
-(`Reservation`); `used + reserved` never exceeds max_size once eviction has run.
+(`Reservation`); `used + reserved` never exceeds max_size once eviction has run. A file counts
+its size, a record (an entry up to `limit` bytes: records.py) what it takes in LMDB's pages
+(`records.charge`), so the cap holds on disk for both.
 
 Eviction while serving: an entry used within the last HOLD_SECONDS (written, read, confirmed by
 FindMissingBlobs, or named by an ActionResult just served, whose completeness check is such a
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from buildvault.storage.disk.accache import AcCache
 from buildvault.storage.disk.layout import AC_TAG, cas_size, dir_id
+from buildvault.storage.disk.records import charge, held
 
 # Entries used this recently are not evicted for a write (see the module docstring). Ticks are
 # whole seconds: an entry is held between HOLD_SECONDS - 1 and HOLD_SECONDS after its last use.
@@ -68,10 +71,17 @@ class Index:
         "protected",
         "clock",
         "hold_seconds",
+        "limit",
         "_tick",
     )
 
-    def __init__(self, max_size: int, clock: Callable[[], float] = time.time, hold_seconds: int = HOLD_SECONDS) -> None:
+    def __init__(
+        self,
+        max_size: int,
+        clock: Callable[[], float] = time.time,
+        hold_seconds: int = HOLD_SECONDS,
+        limit: int = 0,
+    ) -> None:
         self.entries: dict[bytes, int] = {}  # key -> last access (unix seconds); order = LRU order
         self.ac_sizes: dict[bytes, int] = {}  # AC sizes are not in their keys (entries get replaced)
         self.ac_cache = AcCache()
@@ -87,6 +97,7 @@ class Index:
         self.protected: set[bytes] = set()  # pinned entries: eviction never picks them
         self.clock = clock
         self.hold_seconds = hold_seconds
+        self.limit = limit  # entries up to this size are records (records.py), larger ones files
         self._tick = int(clock())
 
     def load(self, entries: dict[bytes, int], ac_sizes: dict[bytes, int], used: int) -> None:
@@ -105,10 +116,21 @@ class Index:
         del entries[key]
         entries[key] = self.now()
 
+    def data_size(self, key: bytes) -> int:
+        """The entry's size in bytes (an AC entry's from ac_sizes, a blob's from its key)."""
+        return self.ac_sizes[key] if key[0] == AC_TAG else cas_size(key)
+
+    def cost(self, key: bytes, size: int) -> int:
+        """What an entry of `size` bytes counts for in the cap: its size as a file, its pages as a record."""
+        return charge(key, size) if held(self.limit, key, size) else size
+
+    def in_records(self, key: bytes) -> bool:
+        """Whether the indexed entry `key` is a record (else a file)."""
+        return held(self.limit, key, self.data_size(key))
+
     def entry_size(self, key: bytes) -> int:
-        if key[0] == AC_TAG:
-            return self.ac_sizes[key]
-        return cas_size(key)
+        """What the indexed entry `key` counts for in the cap."""
+        return self.cost(key, self.data_size(key))
 
     def forget(self, key: bytes) -> int:
         """Drop an entry from the index, the accounting and the AC cache; return its size."""
@@ -121,26 +143,26 @@ class Index:
             self.tracking.add(dir_id(key))
         return size
 
-    def indexed(self, key: bytes, reservation: Reservation) -> None:
-        """The entry's file is in place: index it, turning its reservation into used bytes."""
+    def indexed(self, key: bytes, reservation: Reservation, size: int) -> None:
+        """The entry (`size` bytes) is in place: index it, turning its reservation into used bytes."""
         if key in self.entries:
             self.forget(key)
-        size = reservation.size
         reservation.release()
         self.entries[key] = self.now()
         if key[0] == AC_TAG:
             self.ac_sizes[key] = size
             self.ac_published += 1
-        self.used += size
+        self.used += self.cost(key, size)
         self.unsynced = True
         if self.tracking is not None:
             self.tracking.add(dir_id(key))
 
-    def evict(self, need: int, busy: Container[bytes], *, hold: bool = True) -> list[bytes]:
+    def evict(self, need: int, busy: Container[bytes], *, hold: bool = True) -> list[tuple[bytes, bool]]:
         """Forget least recently used entries (skipping `busy` and protected ones, and with `hold`
         stopping at the first one used within `hold_seconds`) until `need` bytes are freed; return
-        them: their files are the caller's to delete. Fewer than `need` bytes may be freed."""
-        victims: list[bytes] = []
+        them, each with whether it is a record: their files or records are the caller's to delete.
+        Fewer than `need` bytes may be freed."""
+        victims: list[tuple[bytes, bool]] = []
         freed = 0
         now = self.now()
         # Entries used after `recent` are held; a tick after `now` (the clock was set back) is not,
@@ -151,9 +173,11 @@ class Index:
                 break
             if key in busy or key in self.protected:  # busy: an AC entry being replaced becomes the newest
                 continue
-            victims.append(key)
-            freed += self.entry_size(key)
-        for key in victims:
+            size = self.data_size(key)
+            record = held(self.limit, key, size)
+            victims.append((key, record))
+            freed += charge(key, size) if record else size
+        for key, _record in victims:
             self.forget(key)
         self.evictions += len(victims)
         return victims

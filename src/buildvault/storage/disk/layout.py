@@ -5,6 +5,7 @@ Layout under the store's root:
     cas/<fn>/<hh>/<hash>-<size>                  CAS blobs (fn: sha256 | blake3, hh: first two hex digits)
     ac/<kind>/<instance...>/@<fn>/<hh>/<hash>    action entries; '@' never appears in a namespace
                                                  segment, so no namespace can shadow another's files
+    records/data.mdb, lock.mdb                   small blobs and action entries: an LMDB environment (records.py)
     tmp/<random>.tmp                             writes in progress (same filesystem: one atomic rename)
     index.lru                                    the index snapshot (snapshot.py)
     SYNC                                         the last sync point (durability.py)
@@ -84,19 +85,20 @@ def dir_id(key: bytes) -> bytes:
 class Layout:
     """The paths of one store root (computed once: `path` is on every hot path)."""
 
-    __slots__ = ("root", "cas_dir", "ac_dir", "tmp_dir", "snapshot_path", "sync_path", "lock_path")
+    __slots__ = ("root", "cas_dir", "ac_dir", "records_dir", "tmp_dir", "snapshot_path", "sync_path", "lock_path")
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.cas_dir = str(root / "cas")
         self.ac_dir = str(root / "ac")
+        self.records_dir = str(root / "records")
         self.tmp_dir = str(root / "tmp")
         self.snapshot_path = str(root / "index.lru")
         self.sync_path = str(root / "SYNC")
         self.lock_path = str(root / "LOCK")
 
     def path(self, key: bytes) -> str:
-        """The file of an index key."""
+        """The file of an index key (an entry that is a file: records.held)."""
         if key[0] == AC_TAG:
             hex_hash = key[-32:].hex()
             namespace = key[1:-34].decode()

@@ -1,11 +1,13 @@
 """The read paths: ranged reads, whole-blob batches, lookup by hash alone, action entries.
 
-A read raises NotFound before producing any byte. Small blobs are read whole in a coalesced
-trip and no file stays open; larger ones keep the fd (an evicted blob stays readable) and are
+A read raises NotFound before producing any byte. Records (records.py) and other small blobs
+are read whole in a coalesced trip (a batch's records in one LMDB read transaction) and no file
+stays open; larger ones keep the fd (an evicted blob stays readable) and are
 read one chunk ahead. Every read of a whole blob is verified against its digest (small ones
 before any byte is returned, streamed ones before their last chunk): a file can rot or be
-edited under a running server. A file found damaged (wrong size or content) is deleted and
-reported missing, one found gone is dropped from the index: the client uploads it again. A
+edited under a running server. A file or record found damaged (wrong size, content or CRC) is
+deleted and reported missing, one found gone is dropped from the index: the client uploads it
+again. A
 lookup by hash alone that finds no file marks the hash for a re-check (healing.py).
 """
 
@@ -16,7 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
 from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
-from buildvault.storage.disk import fileops, layout
+from buildvault.storage.disk import fileops, layout, records
 from buildvault.storage.disk.chunks import FileChunks, Verification, WholeChunks
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
@@ -49,7 +51,9 @@ class Reader:
         fd: int | None = None
         verification: Verification | None = None
         try:
-            if size <= SMALL_OP:  # whole and verified, in a coalesced trip; no file stays open
+            if size <= core.index.limit:  # a record, checked whole
+                status, data = await core.ops.submit(records.get_one, (core.records, key, digest, offset, end))
+            elif size <= SMALL_OP:  # whole and verified, in a coalesced trip; no file stays open
                 status, data = await core.ops.submit(fileops.read_small, (path, digest, offset, end))
             else:
                 if offset == 0 and end == size:  # the whole blob: verified on the way
@@ -92,6 +96,9 @@ class Reader:
         cas_dir = core.layout.cas_dir
         batch: list[tuple[str, Digest]] = []
         where: list[tuple[int, bytes, Digest]] = []
+        record_batch: list[tuple[bytes, Digest | None]] = []
+        record_where: list[tuple[int, bytes, Digest]] = []
+        limit = core.index.limit
         singles: list[int] = []
         for i, digest in enumerate(digests):
             hex_hash, size, function = digest.hash, digest.size_bytes, digest.function
@@ -103,14 +110,23 @@ class Reader:
                 results[i] = NotFound(f"blob {digest} not found")
                 continue
             entries[key] = now  # read: a use
-            if size > SMALL_OP:
+            if size <= limit:
+                record_batch.append((key, digest))
+                record_where.append((i, key, digest))
+            elif size > SMALL_OP:
                 singles.append(i)
             else:
                 batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", digest))
                 where.append((i, key, digest))
+        waits = []
+        if record_batch:
+            waits.append(core.ops.submit(records.get_many, (core.records, record_batch), 0))
         if batch:
-            found = await core.ops.submit(fileops.read_many, (batch,), 0)
-            for (i, key, digest), (status, data) in zip(where, found, strict=True):
+            waits.append(core.ops.submit(fileops.read_many, (batch,), 0))
+        found_lists = await asyncio.gather(*waits)
+        groups = ([record_where] if record_batch else []) + ([where] if batch else [])
+        for group, found in zip(groups, found_lists, strict=True):
+            for (i, key, digest), (status, data) in zip(group, found, strict=True):
                 if status == fileops.OK:
                     results[i] = data
                     continue
@@ -130,8 +146,9 @@ class Reader:
         return results  # type: ignore[return-value]  # every slot was filled above
 
     async def lookup(self, function: DigestFunction, hex_hash: str) -> Digest:
-        """A stored blob by hash alone: the size from a small memo, else from the names in the
-        blob's shard directory (one listing, in the pool), confirmed by the index."""
+        """A stored blob by hash alone: the size from a small memo, else from the record keys with
+        that hash and the names in the blob's shard directory (one seek and one listing, in one
+        pool trip), confirmed by the index."""
         core = self.core
         core.check_open()
         try:
@@ -146,7 +163,7 @@ class Reader:
         if size is None or prefix + size.to_bytes(SIZE_BYTES, "big") not in entries:
             directory = core.layout.shard_dir(function, hex_hash)
             try:
-                sizes = await core.ops.submit(layout.sizes_named, (directory, hex_hash))
+                sizes = await core.ops.submit(_sizes_of, (core.records, prefix, directory, hex_hash))
             except OSError as e:
                 raise fileops.storage_error(e, f"looking up {hex_hash}") from e
             stored = (n for n in sizes if 0 <= n < MAX_BLOB and prefix + n.to_bytes(SIZE_BYTES, "big") in entries)
@@ -173,7 +190,15 @@ class Reader:
         published = index.ac_published
         data: bytes | None
         try:
-            data = await core.ops.submit(fileops.read_file, (core.layout.path(key),))
+            if index.in_records(key):
+                status, data = await core.ops.submit(records.get_one, (core.records, key, None))
+                if status == fileops.DAMAGED:
+                    core.drop_damaged(key)
+                    raise NotFound(f"no entry for {digest} in {namespace!r} (damaged on disk)")
+                if status != fileops.OK:
+                    data = None
+            else:
+                data = await core.ops.submit(fileops.read_file, (core.layout.path(key),))
         except OSError as e:
             raise fileops.storage_error(e, f"reading {namespace!r} entry {digest}") from e
         if data is None:
@@ -182,3 +207,8 @@ class Reader:
         if published == index.ac_published and key in index.entries and key not in core.publishing:
             index.ac_cache.put(key, data)  # no entry was replaced meanwhile: this is the current one
         return data
+
+
+def _sizes_of(recs: records.Records, prefix: bytes, directory: str, hex_hash: str) -> list[int]:
+    """Sizes of the stored blobs of one hash: its records, then its files."""
+    return records.sizes_with_prefix(recs, prefix) + layout.sizes_named(directory, hex_hash)

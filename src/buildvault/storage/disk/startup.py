@@ -4,7 +4,8 @@ The index comes from the snapshot plus the leaf directories that changed since i
 (none after a clean close; after a crash, those written since the last checkpoint). The size is
 in CAS file names, so those listings rebuild entries without a stat; only files unknown to the
 snapshot are stat'ed, to place them by mtime (up to STAT_ORDER_LIMIT of them). A crash thus
-costs the recency of recent reads only. Everything here runs in a worker thread.
+costs the recency of recent reads only. Records (records.py) are reconciled with LMDB and
+re-verified after a reboot by recovery.py. Everything here runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buildvault.storage import StorageError
-from buildvault.storage.disk import durability, fileops, layout
+from buildvault.storage.disk import durability, fileops, layout, recovery
 from buildvault.storage.disk.layout import AC_TAG, Layout, cas_size, dir_id, scan_ac_dir, scan_cas_dir
+from buildvault.storage.disk.records import Records, charge, held
 from buildvault.storage.disk.snapshot import read_snapshot
 
 log = logging.getLogger("buildvault.storage.disk")
@@ -64,24 +66,27 @@ def clear_temp_files(where: Layout) -> int:
     return stale
 
 
-def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
+def rebuild_index(where: Layout, validate: durability.EntryValidator, recs: Records) -> Loaded:
     """Verify what an unclean shutdown may have torn, then rebuild the index (see the module docstring)."""
     started = time.perf_counter()
     stale = clear_temp_files(where)
     dirs = layout.leaf_dirs(where, 0)
-    marker = durability.read_sync_marker(where.sync_path)
+    marker = durability.read_sync_point(where.sync_path)
     verified = damaged = 0
     if marker is not None and not marker[0]:
         verified, damaged = durability.verify_since(dirs, marker[1] - durability.SYNC_MARGIN_NS, validate)
         if damaged:
             dirs = layout.leaf_dirs(where, 0)
+    recs.open()
+    limit = recs.limit
+    records_verified, records_damaged = recovery.verify_if_needed(recs, marker, validate)
     interned: dict[int, int] = {}
     index: dict[bytes, int] = {}
     ac_sizes: dict[bytes, int] = {}
-    used = 0
+    used = snapshot_txnid = 0
     snapshot = read_snapshot(where.snapshot_path)
     if snapshot is not None:
-        keys, ticks, ac_pairs, used, recorded = snapshot
+        keys, ticks, ac_pairs, used, recorded, snapshot_txnid = snapshot
         index = dict(zip(keys, map(interned.setdefault, ticks, ticks), strict=True))
         ac_sizes = dict(ac_pairs)
         del keys, ticks, ac_pairs, snapshot
@@ -95,7 +100,11 @@ def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
     scanned = [d for d in dirs if d not in trusted]
     if not fast:
         # Entries of untrusted directories stay in place (keeping their LRU position) only if found.
-        suspects = {key for key in index if dir_id(key) not in trusted}
+        suspects = {
+            key
+            for key in index
+            if dir_id(key) not in trusted and not held(limit, key, ac_sizes[key] if key[0] == AC_TAG else cas_size(key))
+        }
         for leaf in scanned:
             path = dirs[leaf][0]
             if leaf[0] == AC_TAG:
@@ -114,6 +123,15 @@ def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
         for key in suspects:  # in the snapshot, gone from disk
             del index[key]
             used -= ac_sizes.pop(key) if key[0] == AC_TAG else cas_size(key)
+        small = [extra for extra in extras if held(limit, extra[0], extra[1])]
+        if small:  # files a record would hold now: moved into records
+            extras = [extra for extra in extras if not held(limit, extra[0], extra[1])]
+            for key, size in recovery.migrate(recs, small):
+                index[key] = int(time.time())
+                used += charge(key, size)
+                if key[0] == AC_TAG:
+                    ac_sizes[key] = size
+            snapshot_txnid = 0  # records changed: compare the keys below
         from_snapshot = len(index)
         if len(extras) <= STAT_ORDER_LIMIT:
             stat_calls = len(extras)
@@ -130,6 +148,7 @@ def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
             used += size
             if key[0] == AC_TAG:
                 ac_sizes[key] = size
+    used, records_walked = recovery.reconcile(recs, index, ac_sizes, used, snapshot_txnid, limit)
     if strays:
         log.warning("%s: ignored %d files that are not store entries", where.root, strays)
     info = {
@@ -144,5 +163,8 @@ def rebuild_index(where: Layout, validate: durability.EntryValidator) -> Loaded:
         "clean_shutdown": marker is None or marker[0],
         "verified": verified,
         "damaged": damaged,
+        "records_walked": records_walked,
+        "records_verified": records_verified,
+        "records_damaged": records_damaged,
     }
     return Loaded(index, ac_sizes, used, info)

@@ -20,7 +20,7 @@ from typing import Any
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import StorageError
-from buildvault.storage.disk import findmissing, healing, layout, snapshot, startup
+from buildvault.storage.disk import findmissing, healing, layout, records, snapshot, startup
 from buildvault.storage.disk.accache import AcCache
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
@@ -38,7 +38,9 @@ class DiskStorage:
     Writes are acknowledged once renamed into place (no fsync each); every `sync_interval`
     seconds, if anything changed, the filesystem is synced and the sync point recorded. The index
     snapshot is written every `checkpoint_interval` seconds and by close(). Entries used within
-    `hold_seconds` are not evicted for a write (index.py; 0: plain LRU).
+    `hold_seconds` are not evicted for a write (index.py; 0: plain LRU). Entries up to
+    `record_limit` bytes (default records.RECORD_LIMIT) are records in LMDB (records.py; 0: every
+    entry is a file).
     """
 
     def __init__(
@@ -52,16 +54,18 @@ class DiskStorage:
         validate_entry: EntryValidator | None = None,
         clock: Callable[[], float] = time.time,
         hold_seconds: int = HOLD_SECONDS,
+        record_limit: int | None = None,
     ) -> None:
         self.root = Path(root)
         self.max_size = max_size
         self.checkpoint_interval = checkpoint_interval
         self.sync_interval = sync_interval
         self._validate = validate_entry or opaque_entry_is_intact
-        self._core = Core(self.root, max_size, max_workers, clock, hold_seconds)
+        limit = records.RECORD_LIMIT if record_limit is None else record_limit
+        self._core = Core(self.root, max_size, max_workers, clock, hold_seconds, limit)
         self._writer = Writer(self._core)
         self._reader = Reader(self._core)
-        self._syncer = Syncer(self._core.layout, self._core.index)
+        self._syncer = Syncer(self._core.layout, self._core.index, self._core.records)
         self._lock_fd: int | None = None
         self._checkpointer: asyncio.Task[None] | None = None
         self._checkpointing = asyncio.Lock()  # one checkpoint at a time
@@ -84,6 +88,7 @@ class DiskStorage:
         validate_entry: EntryValidator | None = None,
         clock: Callable[[], float] = time.time,
         hold_seconds: int = HOLD_SECONDS,
+        record_limit: int | None = None,
     ) -> DiskStorage:
         """Lock `root`, clear leftover temp files and rebuild the index, all off the event loop.
 
@@ -101,6 +106,7 @@ class DiskStorage:
             validate_entry=validate_entry,
             clock=clock,
             hold_seconds=hold_seconds,
+            record_limit=record_limit,
         )
         core = storage._core
         try:
@@ -108,6 +114,7 @@ class DiskStorage:
         except BaseException:
             core.executor.shutdown(wait=False)
             storage._syncer.shutdown_now()
+            core.records.close()
             if storage._lock_fd is not None:
                 os.close(storage._lock_fd)
                 storage._lock_fd = None
@@ -126,7 +133,7 @@ class DiskStorage:
         started = time.perf_counter()
         where = self._core.layout
         self._lock_fd = startup.lock_root(where)
-        loaded = startup.rebuild_index(where, self._validate)
+        loaded = startup.rebuild_index(where, self._validate, self._core.records)
         loaded.info["seconds"] = time.perf_counter() - started
         # What was found is on disk now (a killed process leaves it in the page cache only):
         # the new sync point also says "running", so a crash from here on is unclean.
@@ -166,6 +173,7 @@ class DiskStorage:
     def _shutdown(self) -> None:
         self._core.executor.shutdown(wait=True)
         self._syncer.shutdown()
+        self._core.records.close()
         self._release_lock()
 
     def _release_lock(self) -> None:
@@ -182,6 +190,7 @@ class DiskStorage:
             self._checkpointer.cancel()
         self._syncer.abandon()
         core.executor.shutdown(wait=True)
+        core.records.close()  # no sync: what LMDB committed is with the kernel, as after kill -9
         self._release_lock()
         self._closed = True
 
@@ -200,31 +209,8 @@ class DiskStorage:
     async def _checkpoint(self, *, quiesced: bool) -> None:
         if self._closed:
             raise StorageError("disk store is closed")
-        core = self._core
-        index = core.index
         async with self._checkpointing:
-            keys, ticks = list(index.entries), list(index.entries.values())
-            ac_sizes, used = list(index.ac_sizes.items()), index.used
-            dirty = core.dirs_in_flight()
-            index.tracking = dirty  # index changes from now until the directories are stat'ed
-            try:
-                racy_ns = 0 if quiesced else layout.RACY_NS
-                dirs = await core.io(layout.leaf_dirs, core.layout, racy_ns, what="reading directory times")
-            finally:
-                index.tracking = None
-            dirty |= core.dirs_in_flight()
-            recorded = {dir_id: -1 if dir_id in dirty else mtime for dir_id, (_path, mtime) in dirs.items()}
-            await core.io(
-                snapshot.write_snapshot,
-                core.layout.tmp_dir,
-                core.layout.snapshot_path,
-                keys,
-                ticks,
-                ac_sizes,
-                used,
-                recorded,
-                what="writing the LRU snapshot",
-            )
+            await snapshot.take(self._core, quiesced=quiesced)
 
     async def _checkpoint_loop(self, interval: float) -> None:
         while True:
@@ -241,8 +227,11 @@ class DiskStorage:
         await self._syncer.sync()
 
     async def namespaces(self) -> list[str]:
-        """The AC namespaces that have a directory in the store (pins are looked for in each)."""
-        return list(await self._core.io(layout.ac_namespaces, self._core.layout, what="listing namespaces"))
+        """The AC namespaces that have a directory or a record in the store (pins are looked for in each)."""
+        core = self._core
+        on_disk = await core.io(layout.ac_namespaces, core.layout, what="listing namespaces")
+        in_records = await core.io(records.namespaces, core.records, what="listing namespaces")
+        return sorted(set(on_disk) | set(in_records))
 
     def protect(self, blobs: Iterable[Digest], actions: Iterable[tuple[str, Digest]]) -> None:
         """Replace the set of entries eviction must skip (pinned versions: their blobs and action
@@ -296,13 +285,36 @@ class DiskStorage:
         await self._core.wait_idle()
 
     def entry_paths(self) -> list[str]:
-        """The file of every indexed entry, least recently used first (O(entries): for checks, not
-        for request paths)."""
-        path = self._core.layout.path
-        return [path(key) for key in self._core.index.entries]
+        """The file of every indexed entry that is a file, least recently used first (O(entries):
+        for checks, not for request paths)."""
+        path, index = self._core.layout.path, self._core.index
+        return [path(key) for key in index.entries if not index.in_records(key)]
+
+    def record_keys(self) -> list[bytes]:
+        """The key of every indexed entry that is a record, least recently used first (for checks)."""
+        index = self._core.index
+        return [key for key in index.entries if index.in_records(key)]
+
+    def stored_records(self) -> dict[bytes, int]:
+        """Every record in LMDB, key -> data size (blocking, O(records): for checks, never on a
+        request path)."""
+        return dict(records.keys_and_sizes(self._core.records))
+
+    def is_record(self, digest: Digest) -> bool:
+        """Whether the blob `digest` is (or would be) a record rather than a file."""
+        return records.held(self._core.index.limit, layout.cas_key(digest), digest.size_bytes)
+
+    @property
+    def record_limit(self) -> int:
+        """Entries up to this many bytes are records (0: none)."""
+        return self._core.index.limit
+
+    async def record_stats(self) -> dict[str, Any]:
+        """LMDB's figures: entries, pages, the data file's bytes on disk (for checks and the bench)."""
+        return dict(await self._core.io(records.stat, self._core.records, what="reading record stats"))
 
     def path_of(self, digest: Digest) -> str:
-        """Where the blob `digest` is (or would be) stored."""
+        """Where the blob `digest` is (or would be) stored as a file (see is_record)."""
         return self._core.layout.path(layout.cas_key(digest))
 
 

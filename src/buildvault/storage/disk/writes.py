@@ -1,10 +1,12 @@
 """The write path of CAS blobs and action entries: reserve, receive, verify, publish.
 
-Entries up to SMALL_OP bytes are gathered in memory and verified, written and renamed in one
-coalesced operation; larger ones stream into a temp file in WRITE_BATCH batches, one batch hashed
-while the previous one is written. Either way a blob becomes visible only once verified, by one
-atomic rename, and a failed or cancelled write leaves nothing behind. Once the rename is under
-way it completes and is indexed even if the caller is cancelled.
+Entries up to the record limit are records (records.py): verified and committed in one coalesced
+operation, a whole batch in one LMDB transaction. Others up to SMALL_OP bytes are gathered in
+memory and verified, written and renamed in one coalesced operation; larger ones stream into a
+temp file in WRITE_BATCH batches, one batch hashed while the previous one is written. Either way
+a blob becomes visible only once verified, by one commit or one atomic rename, and a failed or
+cancelled write leaves nothing behind. Once the commit or rename is under way it completes and
+is indexed even if the caller is cancelled.
 """
 
 from __future__ import annotations
@@ -16,21 +18,17 @@ import logging
 from collections.abc import AsyncIterable, Sequence
 from typing import Any
 
-from buildvault.digest import Digest, InvalidDigest, new_hasher
-from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, StorageFull, single_chunk
-from buildvault.storage.disk import fileops, healing
-from buildvault.storage.disk.core import Core
+from buildvault.digest import Digest, new_hasher
+from buildvault.storage import CapacityExceeded, DigestMismatch, StorageFull
+from buildvault.storage.disk import batches, fileops, healing, records
+from buildvault.storage.disk.core import SMALL_OP, WRITE_BATCH, Core
 from buildvault.storage.disk.index import Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key
+from buildvault.storage.disk.records import held
 
 log = logging.getLogger("buildvault.storage.disk")
 
-# Incoming chunks are gathered to this size before one thread hop hashes and writes them:
-# Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
-WRITE_BATCH = 1 << 20
-# Blobs and entries up to this size are written and read whole, and their file operations are
-# coalesced (coalescer.py).
-SMALL_OP = WRITE_BATCH
+__all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
 
 
 class Writer:
@@ -62,84 +60,8 @@ class Writer:
         await self._store(key, None, len(data), data, f"{namespace!r} entry {digest}", replace=True)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        """Whole blobs (BatchUpdateBlobs). The common case (small, new, room without evicting,
-        no other write of the same blob in flight) is reserved and claimed here and written in one
-        coalesced operation; any other goes the one-by-one way. Like _store_small, a submitted
-        write completes and is indexed even if the caller is cancelled."""
-        core = self.core
-        core.check_open()
-        if core.suspects:
-            await healing.recheck(core, healing.named(core, (digest for digest, _ in items)))
-        index = core.index
-        entries = index.entries
-        publishing = core.publishing
-        outcomes: list[Exception | None] = [None] * len(items)
-        batch: list[tuple[str, str, bytes, Digest | None]] = []
-        claimed: list[tuple[int, bytes, Reservation, asyncio.Future[None]]] = []
-        others: list[int] = []
-        contended: set[int] = set()
-        loop = asyncio.get_running_loop()
-        tmp_dir, path = core.layout.tmp_dir, core.layout.path
-        for i, (digest, data) in enumerate(items):
-            size = digest.size_bytes
-            try:
-                key = cas_key(digest)
-            except InvalidDigest as e:
-                outcomes[i] = e
-                continue
-            if key in entries:
-                index.touch(key)  # stored and verified already: the bytes need not be read
-                continue
-            if key in publishing or key in core.deleting:
-                contended.add(i)  # e.g. the same blob twice in one batch: these bytes get checked too
-                others.append(i)
-                continue
-            if len(data) != size or size > SMALL_OP or index.used + index.reserved + size > index.max_size:
-                others.append(i)
-                continue
-            reservation = Reservation(index, size)
-            done: asyncio.Future[None] = loop.create_future()
-            publishing[key] = done
-            batch.append((tmp_dir, path(key), bytes(data), digest))
-            claimed.append((i, key, reservation, done))
-        if batch:
-            future = core.ops.submit(fileops.write_many, (batch,), sum(len(item[2]) for item in batch))
-
-            def finished(future: asyncio.Future[list[Exception | None]]) -> None:
-                results = None if future.cancelled() else (future.exception() or future.result())
-                for n, (i, key, reservation, done) in enumerate(claimed):
-                    error = results if isinstance(results, BaseException) else None if results is None else results[n]
-                    try:
-                        if results is not None and error is None:
-                            index.indexed(key, reservation)
-                        else:
-                            outcomes[i] = error if isinstance(error, Exception) else StorageError("write abandoned")
-                    finally:
-                        reservation.release()
-                        del publishing[key]
-                        done.set_result(None)
-
-            future.add_done_callback(finished)
-            await asyncio.shield(future)
-            for i, *_rest in claimed:
-                error = outcomes[i]
-                if isinstance(error, OSError):
-                    outcomes[i] = fileops.storage_error(error, f"writing {items[i][0]}")
-        if others:
-
-            async def one(i: int) -> Exception | None:
-                digest, data = items[i]
-                try:
-                    if i in contended and len(data) == digest.size_bytes <= SMALL_OP:
-                        await core.ops.submit(fileops.check_hash, (bytes(data), digest))
-                    await self.write(digest, single_chunk(data))
-                    return None
-                except Exception as e:  # that blob's outcome
-                    return e
-
-            for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others)), strict=True):
-                outcomes[i] = outcome
-        return outcomes
+        """Whole blobs (BatchUpdateBlobs): batches.py."""
+        return await batches.write_blobs(self, items)
 
     async def _reserve(self, size: int, what: object) -> Reservation:
         """Promise `size` bytes to a write, evicting first, so the total on disk stays under max_size."""
@@ -180,7 +102,7 @@ class Writer:
 
         Entries up to SMALL_OP bytes are gathered first and take the coalesced path instead.
         """
-        reservation = await self._reserve(size, what)
+        reservation = await self._reserve(self.core.index.cost(key, size), what)
         if size <= SMALL_OP:
             try:
                 if isinstance(chunks, bytes):
@@ -206,7 +128,7 @@ class Writer:
         except BaseException:
             reservation.release()
             raise
-        await self._publish(key, temp, reservation, replace=replace)
+        await self._publish(key, temp, size, reservation, replace=replace)
 
     async def _receive(
         self, digest: Digest | None, size: int, chunks: AsyncIterable[bytes] | bytes, what: object
@@ -271,7 +193,7 @@ class Writer:
             parts, data = [], b""
             raise
 
-    async def _publish(self, key: bytes, temp: str, reservation: Reservation, *, replace: bool) -> None:
+    async def _publish(self, key: bytes, temp: str, size: int, reservation: Reservation, *, replace: bool) -> None:
         """Rename a verified temp file into place and index it; owns `temp` and `reservation`."""
         core = self.core
         duplicate = False
@@ -288,7 +210,7 @@ class Writer:
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         core.publishing[key] = done
-        task = asyncio.ensure_future(self._rename_and_index(key, temp, reservation, done))
+        task = asyncio.ensure_future(self._rename_and_index(key, temp, size, reservation, done))
         core.tasks.add(task)
         task.add_done_callback(self._task_done)
         await asyncio.shield(task)
@@ -299,17 +221,19 @@ class Writer:
             log.debug("publish failed: %s", task.exception())
 
     async def _rename_and_index(
-        self, key: bytes, temp: str, reservation: Reservation, done: asyncio.Future[None]
+        self, key: bytes, temp: str, size: int, reservation: Reservation, done: asyncio.Future[None]
     ) -> None:
         core = self.core
         final = core.layout.path(key)
+        # An action entry replacing a record of it: the record goes once the file is in place.
+        stale = [key] if key in core.index.entries and core.index.in_records(key) else []
         try:
             try:
-                await core.io(fileops.rename, temp, final, what=f"publishing {final}")
+                await core.io(_rename_replacing, core.records, temp, final, stale, what=f"publishing {final}")
             except BaseException:
                 await core.settle(core.executor.submit(fileops.unlink_quiet, temp))
                 raise
-            core.index.indexed(key, reservation)
+            core.index.indexed(key, reservation, size)
         finally:
             reservation.release()
             del core.publishing[key]
@@ -355,7 +279,7 @@ class Writer:
         def finished(future: asyncio.Future[None]) -> None:
             try:
                 if not future.cancelled() and future.exception() is None:
-                    index.indexed(key, reservation)
+                    index.indexed(key, reservation, len(data))
                     if key[0] == AC_TAG:
                         index.ac_cache.put(key, data)
             finally:
@@ -363,13 +287,35 @@ class Writer:
                 del core.publishing[key]
                 done.set_result(None)
 
-        args = (core.layout.tmp_dir, core.layout.path(key), data, digest)
-        future = core.ops.submit(fileops.write_small, args, len(data))
+        # An action entry may move between a record and a file when its size crosses the limit:
+        # the old copy is removed in the same operation, once the new one is in place.
+        old = key in index.entries and index.in_records(key)
+        if held(index.limit, key, len(data)):
+            stale_file = core.layout.path(key) if key[0] == AC_TAG and key in index.entries and not old else None
+            future = core.ops.submit(records.put_one, (core.records, key, data, digest, stale_file), len(data))
+        else:
+            args = (core.layout.tmp_dir, core.layout.path(key), data, digest)
+            stale = [key] if old else []
+            future = core.ops.submit(_write_small_replacing, (core.records, stale, *args), len(data))
         future.add_done_callback(finished)
         try:
             await asyncio.shield(future)
         except OSError as e:
             raise fileops.storage_error(e, f"writing {what}") from e
+
+
+def _write_small_replacing(recs: records.Records, stale: list[bytes], *args: Any) -> None:
+    """fileops.write_small, then the removal of the record the file replaces (if any)."""
+    fileops.write_small(*args)
+    if stale:
+        records.delete_many(recs, stale)
+
+
+def _rename_replacing(recs: records.Records, temp: str, final: str, stale: list[bytes]) -> None:
+    """fileops.rename, then the removal of the record the file replaces (if any)."""
+    fileops.rename(temp, final)
+    if stale:
+        records.delete_many(recs, stale)
 
 
 async def _wait_io(cf: concurrent.futures.Future[Any], what: object) -> Any:
