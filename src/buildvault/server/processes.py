@@ -12,8 +12,10 @@ listener, /metrics and the status page; it serves the gRPC cache services itself
 secondary (server/secondary.py) serves the gRPC cache services on the same port (SO_REUSEPORT:
 the kernel spreads new connections over the processes) and sends every store call to the
 primary's store server (server/store_server.py) over a private Unix socket. A secondary that
-dies is started again (after `RESTART_DELAY` if it died within a second of starting, so a
-secondary that cannot start does not spin); secondaries end with the primary, however it ends.
+dies (killed, crashed) is started again (after `RESTART_DELAY` if it died within a second of
+starting, so a secondary that cannot start does not spin); one that stops cleanly (SIGTERM to
+it or to the whole process group, as a service manager stops a service) is not. Secondaries end
+with the primary, however it ends.
 
 Execution is not served by secondaries: with SO_REUSEPORT a connection may land on any process,
 so `--processes` above 1 needs execution off (`--local-workers 0`, no `--queue`); `--processes 0`
@@ -139,6 +141,9 @@ class Secondaries:
         while True:
             code = await process.wait()
             if self._stopping:
+                return
+            if code == 0:  # it was told to stop (a SIGTERM to the process group, as a service manager sends)
+                log.warning("secondary server process %d (pid %d) stopped; not restarted", index, process.pid)
                 return
             log.warning(
                 "secondary server process %d (pid %d) exited with %s; starting it again", index, process.pid, code
