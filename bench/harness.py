@@ -4,10 +4,11 @@
     python -m bench.harness --target 127.0.0.1:9092 [--server-pid PID] [--quick]
     python bench/harness.py --target 127.0.0.1:9092 --scenarios 'fmb_*,bs_*_512MiB*'
 
-One grpc.aio client (our own generated protos), one channel (--channels N: N connections). Every scenario prints one JSON
-line when it ends; a markdown table follows at the end. Every read-back is verified byte for
-byte, every write's reply is checked: any RPC error or mismatch marks the scenario failed and
-the process exits 1 (2 when the endpoint cannot be reached at all). Blob contents are fresh
+One grpc.aio client (our own generated protos), one channel (--channels N: N connections).
+Every scenario prints one JSON line when it ends; a markdown table follows at the end. Every
+read-back is verified byte for byte, every write's reply is checked: any RPC error or mismatch
+marks the scenario failed and the process exits 1 (2 when the endpoint cannot be reached at
+all). Blob contents are fresh
 random bytes on every run, so no server can answer from an earlier run's data.
 
 With --server-pid, a thread samples /proc/PID/status (VmRSS, VmHWM) of that process and all

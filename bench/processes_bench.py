@@ -34,7 +34,10 @@ if str(ROOT) not in sys.path:
 from bench import servers  # noqa: E402
 
 HARNESS = ROOT / "bench" / "harness.py"
-SCENARIOS = "fmb_c1,fmb_c16,batch_update_c1,batch_read_c1,batch_update_c8,batch_read_c8,ac_update_c1,ac_get_c1,ac_update_c16,ac_get_c16"
+SCENARIOS = (
+    "fmb_c1,fmb_c16,batch_update_c1,batch_read_c1,batch_update_c8,batch_read_c8,ac_update_c1,ac_get_c1,"
+    "ac_update_c16,ac_get_c16"
+)
 
 
 def load_average() -> str:

@@ -30,7 +30,7 @@ from buildvault.storage.remote_wire import Kind
 
 __all__ = ["RemoteActionStore", "RemoteBlobStore", "RemoteStoreClient"]
 
-STREAM_LIMIT = 2 << 20  # asyncio StreamReader buffer: a whole 1 MiB chunk frame in one piece
+STREAM_LIMIT = 256 << 10  # asyncio StreamReader: reading pauses past twice this (a larger frame still arrives)
 MAX_IDLE = 64  # idle connections kept per process
 
 
