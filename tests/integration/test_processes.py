@@ -282,3 +282,31 @@ def test_several_processes_and_execution_do_not_mix(buildvault_server_factory):
     with pytest.raises(Exception) as error:
         buildvault_server_factory("exec", extra_args=["--processes", "2", "--local-workers", "1"])
     assert "--processes 2" in str(error.value) and "--local-workers 0" in str(error.value)
+
+
+# -- access control -----------------------------------------------------------------------
+
+
+async def test_access_control_and_its_reload_reach_every_process(buildvault_server_factory, tmp_path):
+    from auth_setup import bearer, new_token
+
+    tokens = tmp_path / "tokens"
+    old = new_token(tokens, "ci")
+    server = buildvault_server_factory("auth", extra_args=[*args(2), "--token-file", str(tokens)])
+    assert len(secondaries(server)) == 1
+    request = re_pb2.FindMissingBlobsRequest(blob_digests=[digest(b"x")])
+
+    async def codes(clients: list[Stubs], token: str | None) -> set[grpc.StatusCode]:
+        metadata = (("authorization", bearer(token)),) if token else None
+        calls = [c.cas.FindMissingBlobs(request, metadata=metadata) for c in clients]
+        return set(await asyncio.gather(*(code_of(call) for call in calls)))
+
+    async with many(server.grpc_address) as clients:
+        assert await codes(clients, old) == {grpc.StatusCode.OK}
+        assert await codes(clients, None) == {grpc.StatusCode.UNAUTHENTICATED}
+        tokens.write_text("")
+        fresh = new_token(tokens, "ci2")
+        server.process.send_signal(signal.SIGHUP)  # the primary forwards it
+        wait_for(lambda: server.output().count("reloaded access control") == 2, 20, "both processes to reload")
+        assert await codes(clients, fresh) == {grpc.StatusCode.OK}
+        assert await codes(clients, old) == {grpc.StatusCode.UNAUTHENTICATED}
