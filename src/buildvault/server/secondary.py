@@ -112,6 +112,7 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
     metrics.start()
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()
+    os.dup2(2, 1)  # nobody reads the pipe after `ready`: anything printed later goes to the log
     await stop.wait()
     stopping = asyncio.ensure_future(listener.stop(float(config.get("grace", 20.0))))
     hurried = asyncio.ensure_future(hurry.wait())
