@@ -4,10 +4,11 @@
     python -m bench.harness --target 127.0.0.1:9092 [--server-pid PID] [--quick]
     python bench/harness.py --target 127.0.0.1:9092 --scenarios 'fmb_*,bs_*_512MiB*'
 
-One grpc.aio client (our own generated protos), one channel. Every scenario prints one JSON
-line when it ends; a markdown table follows at the end. Every read-back is verified byte for
-byte, every write's reply is checked: any RPC error or mismatch marks the scenario failed and
-the process exits 1 (2 when the endpoint cannot be reached at all). Blob contents are fresh
+One grpc.aio client (our own generated protos), one channel (--channels N: N connections).
+Every scenario prints one JSON line when it ends; a markdown table follows at the end. Every
+read-back is verified byte for byte, every write's reply is checked: any RPC error or mismatch
+marks the scenario failed and the process exits 1 (2 when the endpoint cannot be reached at
+all). Blob contents are fresh
 random bytes on every run, so no server can answer from an earlier run's data.
 
 With --server-pid, a thread samples /proc/PID/status (VmRSS, VmHWM) of that process and all
@@ -320,32 +321,66 @@ class _Authorization(
 
 
 class Client:
-    def __init__(self, target: str, instance: str, rpc_timeout: float, authorization: str = "") -> None:
+    """`channels` > 1: that many connections (a local subchannel pool each, or grpc would share one),
+    every call on the next one in turn, as a client with several connections to a server whose
+    processes share the port (`buildvault serve --processes N`) spreads its load."""
+
+    def __init__(
+        self, target: str, instance: str, rpc_timeout: float, authorization: str = "", channels: int = 1
+    ) -> None:
         self.target = target
         self.instance = instance
         self.timeout = rpc_timeout
         self.prefix = f"{instance}/" if instance else ""
-        self.channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", -1),
-                ("grpc.max_send_message_length", -1),
-                ("grpc.enable_retries", 0),
-            ],
-            interceptors=[_Authorization(authorization)] if authorization else None,
-        )
+        options = [
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.enable_retries", 0),
+        ]
+        if channels > 1:
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        interceptors = [_Authorization(authorization)] if authorization else None
+        self.channels = [
+            grpc.aio.insecure_channel(target, options=options, interceptors=interceptors) for _ in range(channels)
+        ]
+        self.channel = self.channels[0]
+        self._stubs = [
+            (
+                re_grpc.ContentAddressableStorageStub(c),
+                re_grpc.ActionCacheStub(c),
+                bs_grpc.ByteStreamStub(c),
+                # bytes in, bytes out: FindMissingBlobs with a pre-serialized request and the reply
+                # compared as bytes first, so the client's own CPU stays small next to the server's
+                c.unary_unary("/build.bazel.remote.execution.v2.ContentAddressableStorage/FindMissingBlobs"),
+            )
+            for c in self.channels
+        ]
+        self._turn = 0
         self.capabilities = re_grpc.CapabilitiesStub(self.channel)
-        self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
-        self.ac = re_grpc.ActionCacheStub(self.channel)
-        self.bytestream = bs_grpc.ByteStreamStub(self.channel)
-        # bytes in, bytes out: FindMissingBlobs with a pre-serialized request and the reply
-        # compared as bytes first, so the client's own CPU stays small next to the server's
-        self._find_missing_raw = self.channel.unary_unary(
-            "/build.bazel.remote.execution.v2.ContentAddressableStorage/FindMissingBlobs"
-        )
+
+    def _next(self) -> tuple[Any, Any, Any, Any]:
+        stubs = self._stubs[self._turn % len(self._stubs)]
+        self._turn += 1
+        return stubs
+
+    @property
+    def cas(self) -> Any:
+        return self._next()[0]
+
+    @property
+    def ac(self) -> Any:
+        return self._next()[1]
+
+    @property
+    def bytestream(self) -> Any:
+        return self._next()[2]
+
+    @property
+    def _find_missing_raw(self) -> Any:
+        return self._next()[3]
 
     async def close(self) -> None:
-        await self.channel.close()
+        await asyncio.gather(*(c.close() for c in self.channels))
 
     async def get_capabilities(self) -> re_pb2.ServerCapabilities:
         reply = await self.capabilities.GetCapabilities(
@@ -918,7 +953,7 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.seed is not None:
         random.seed(args.seed)
 
-    client = Client(args.target, args.instance, args.rpc_timeout, args.authorization)
+    client = Client(args.target, args.instance, args.rpc_timeout, args.authorization, args.channels)
     try:
         capabilities = await wait_ready(client, args.wait)
     except grpc.aio.AioRpcError as exc:
@@ -1051,6 +1086,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--wait-journal", metavar="METRICS_URL",
         help="before each measured run, wait until buildvault's /metrics at this URL shows an empty upload journal",
     )  # fmt: skip
+    parser.add_argument(
+        "--channels", type=int, default=1, help="connections, calls spread over them in turn (default %(default)s)"
+    )
     return parser.parse_args(argv)
 
 

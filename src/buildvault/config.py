@@ -79,6 +79,12 @@ class Settings:
     )
     grpc_address: str = _setting("127.0.0.1:9092", parse_address, "gRPC listen address (empty: off)", "HOST:PORT")
     http_address: str = _setting("127.0.0.1:8080", parse_address, "HTTP listen address (empty: off)", "HOST:PORT")
+    processes: int = _setting(
+        0,
+        int,
+        "server processes sharing the gRPC port, one store (0: one per core when execution is off, else 1)",
+        "N",
+    )
     log_level: str = _setting("info", str, "debug, info, warning or error (debug: one JSON line per request)", "LEVEL")
     log_format: str = _setting("json", str, "json (one object per line, for machines) or text (for people)", "FORMAT")
     # The S3/OBS tier: unset bucket means disk only.
@@ -155,6 +161,8 @@ class Settings:
             raise ConfigError(f"s3_request_budget: {self.s3_request_budget!r} must be a positive number of seconds")
         if self.eviction_hold < 0:
             raise ConfigError(f"eviction_hold: {self.eviction_hold!r} must be 0 or more seconds")
+        if self.processes < 0:
+            raise ConfigError(f"processes: {self.processes!r} must be 0 (one per core) or more")
         if not self.pins_refresh > 0:
             raise ConfigError(f"pins_refresh: {self.pins_refresh!r} must be a positive number of seconds")
         if self.s3_checksums not in ("when_required", "when_supported"):

@@ -19,6 +19,7 @@ from s3_server import aws_env, create_bucket, s3_endpoint, session  # noqa: F401
 
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
+from buildvault.server.store_server import StoreServer
 from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound
 from buildvault.storage.build import open_store_stack
 from buildvault.storage.disk import DiskBlobStore, DiskStorage
@@ -29,6 +30,7 @@ from buildvault.storage.journal import UploadJournal
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 from buildvault.storage.metrics import MeteredBlobStore
 from buildvault.storage.object_tier import build_object_tier
+from buildvault.storage.remote_store import RemoteStoreClient
 from buildvault.storage.tiered import TieredBlobStore
 
 # Stores under the empty-blob rule: the empty blob is present before anyone writes it.
@@ -36,6 +38,7 @@ INJECT_EMPTY = {"built", "empty-blob"}
 STORES = [
     *("memory", "disk", "tiered-memory", "tiered-s3", "built"),
     *("empty-blob", "existence-cache", "fail-open", "metered"),
+    *("remote-memory", "remote-disk"),  # a secondary process's store: frames over a Unix socket
 ]
 
 
@@ -91,6 +94,10 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         # Whatever the test did, a disk store leaves no temp file behind.
         assert os.listdir(tmp_path / "store" / "tmp") == []
         return
+    if kind.startswith("remote-"):
+        async with remote_store(tmp_path, kind == "remote-disk") as blobs:
+            yield blobs
+        return
     if kind == "tiered-memory":
         journal = await UploadJournal(tmp_path / "journal").open()
         slow = ExistenceCache(MemoryBlobStore())
@@ -117,6 +124,23 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         yield tier.cas
     finally:
         await tier.aclose()
+
+
+@contextlib.asynccontextmanager
+async def remote_store(tmp_path: Path, disk: bool) -> AsyncIterator[BlobStore]:
+    """The store server over a memory or disk store, and the client a secondary process uses."""
+    storage = await DiskStorage.open(tmp_path / "store", 1 << 30) if disk else None
+    inner: BlobStore = storage.cas if storage is not None else MemoryBlobStore()
+    server = StoreServer(inner, MemoryActionStore(), None, str(tmp_path / "store.sock"))
+    await server.start()
+    client = RemoteStoreClient(server.path, process=1)
+    try:
+        yield client.blobs
+    finally:
+        await client.aclose()
+        await server.stop()
+        if storage is not None:
+            await storage.close()
 
 
 async def chunked(data: bytes, size: int = 16 * 1024) -> AsyncIterator[bytes]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from buildvault.execution.platform import MatchRules, PlatformError, parse_pools
 from buildvault.execution.redis_scheduler import RedisScheduler
 from buildvault.execution.stats import snapshot
 from buildvault.execution.worker import sandbox
+from buildvault.private_socket import private_socket, remove_private_socket
 from buildvault.storage import BlobStore
 
 log = logging.getLogger("buildvault.execution")
@@ -100,7 +100,7 @@ class ExecutionRuntime:
                 raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
         socket = None
         if workers and settings.tls_cert_file:
-            socket = str(Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="buildvault-")) / "workers.sock")
+            socket = await private_socket("workers.sock")
         return cls(settings, executor, workers, kind, socket)
 
     def allowed_on(self, listener_address: str, *, access_controlled: bool = False) -> bool:
@@ -136,4 +136,4 @@ class ExecutionRuntime:
     async def close(self) -> None:
         await self.executor.close()
         if self.worker_socket:
-            await asyncio.to_thread(shutil.rmtree, Path(self.worker_socket).parent, True)
+            await remove_private_socket(self.worker_socket)

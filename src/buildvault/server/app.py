@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from buildvault import logs
 from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.config import Settings
 from buildvault.execution.runtime import ExecutionRuntime, ExecutionSetupError
+from buildvault.private_socket import private_socket, remove_private_socket
 from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
@@ -28,7 +30,9 @@ from buildvault.server.grpc.listener import GrpcListener
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
 from buildvault.server.pins import PinningActionStore, PinRegistry, PinWatcher
+from buildvault.server.processes import Secondaries, process_count
 from buildvault.server.services import Listener, Services, StartupError
+from buildvault.server.store_server import StoreServer
 from buildvault.storage import ActionStore, BlobStore
 from buildvault.storage.build import StackError, StoreStack, open_store_stack
 
@@ -68,6 +72,10 @@ class App:
         self._pins: PinRegistry | None = None
         self.auth: Auth | None = None
         self.execution: ExecutionRuntime | None = None
+        # Several processes (server/processes.py): the store served to the secondaries, and them.
+        self.processes = 1
+        self.store_server: StoreServer | None = None
+        self.secondaries: Secondaries | None = None
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -93,6 +101,7 @@ class App:
                 self.auth = Auth.from_settings(self.settings, self.metrics)
             except AuthStartupError as e:
                 raise StartupError(str(e)) from None
+            self.processes = process_count(self.settings)
             self.stack = stack = await self._open_stores()
             blobs, actions = stack.blobs, stack.actions
             self.services = Services(
@@ -122,16 +131,29 @@ class App:
                 controlled = self.auth is not None and self.auth.enabled
                 token = self.auth.issue_internal_token() if self.auth is not None and controlled else None
                 self.execution.bind(self.grpc_address, token)
+            if self.processes > 1:
+                await self._start_secondaries(self.services)
         except BaseException:
             await self.stop(grace=0)
             raise
         self.started_at = time.time()
         self._banner()
 
+    async def _start_secondaries(self, services: Services) -> None:
+        """Serve the store on a private socket, then start the secondaries on the bound gRPC port."""
+        assert self.grpc_address is not None
+        path = await private_socket("store.sock")
+        self.store_server = StoreServer(services.blobs, services.actions, self.metrics, path)
+        await self.store_server.start()
+        self.secondaries = Secondaries(
+            self.settings, self.processes - 1, self.grpc_address, path, services.max_cas_blob_size, VERSION
+        )
+        await self.secondaries.start()
+
     def _build_listeners(self, services: Services) -> list[Listener]:
         listeners: list[Listener] = []
         if self.settings.grpc_address:
-            listeners.append(GrpcListener(self.settings.grpc_address, services))
+            listeners.append(GrpcListener(self.settings.grpc_address, services, reuseport=self.processes > 1))
         if self.settings.http_address:
             listeners.append(HttpListener.from_services(self.settings.http_address, services))
         return listeners
@@ -141,7 +163,15 @@ class App:
         if self.execution is not None:  # remote execution (issue 12): end jobs and streams first
             execution, self.execution = self.execution, None
             await execution.close()
-        await asyncio.gather(*(listener.stop(grace) for listener in self.listeners), return_exceptions=True)
+        stopping = [listener.stop(grace) for listener in self.listeners]
+        if self.secondaries is not None:  # their in-flight calls still reach the store server
+            stopping.append(self.secondaries.stop(grace))
+        await asyncio.gather(*stopping, return_exceptions=True)
+        self.secondaries = None
+        if self.store_server is not None:
+            store_server, self.store_server = self.store_server, None
+            await store_server.stop()
+            await remove_private_socket(store_server.path)
         if self.services is not None:
             await self.services.uploads.close()
         closers, self._closers = self._closers, []
@@ -153,10 +183,14 @@ class App:
 
     async def reload(self) -> bool:
         """SIGHUP: reread certificates and the auth files; False (logged) keeps the old settings."""
+        if self.secondaries is not None:  # they reread the same files themselves
+            self.secondaries.signal(signal.SIGHUP)
         return await self.auth.reload() if self.auth is not None else True
 
     async def hurry(self) -> None:
         """Cut a running `stop`'s grace period short: cancel in-flight requests now."""
+        if self.secondaries is not None:
+            await self.secondaries.hurry()
         await asyncio.gather(*(listener.stop(0) for listener in self.listeners), return_exceptions=True)
 
     async def serve(self, stop: asyncio.Event, grace: float = 10.0) -> None:
@@ -198,6 +232,9 @@ class App:
         for listener in self.listeners:
             lines.append(f"  {listener.name:<6} {listener.address}")
         lines.append(f"  store  {self.stack.label if self.stack is not None else 'none'}")
+        if self.secondaries is not None:
+            pids = " ".join(str(pid) for pid in self.secondaries.pids)
+            lines.append(f"  procs  {self.processes} sharing the gRPC port (secondaries: pids {pids})")
         if self.execution is not None:
             lines.append(f"  exec   {self.execution.banner()}")
         lines.append(f"  log    {self.settings.log_level}")

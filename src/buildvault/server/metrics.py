@@ -377,6 +377,16 @@ class Metrics:
             f"{PREFIX}_store_action_lookups", "Action entry lookups in a store tier, by result (hit, miss).",
             ["tier", "result"], registry=r,
         )  # fmt: skip
+        # Several processes (server/processes.py): store calls the primary served for each secondary
+        # (process is its index, 1..N-1: a small fixed set).
+        self.ipc_requests = Counter(
+            f"{PREFIX}_store_ipc_requests", "Store calls served to a secondary server process, by its index.",
+            ["process"], registry=r,
+        )  # fmt: skip
+        self.secondary_requests = Counter(
+            f"{PREFIX}_secondary_requests", "Requests a secondary process served (in requests too), by index.",
+            ["process"], registry=r,
+        )  # fmt: skip
         start = Gauge(f"{PREFIX}_start_time_seconds", "Start time of the server, seconds since the epoch.", registry=r)
         start.set(self.started)
         info = Gauge(f"{PREFIX}_build_info", "Always 1; the version is a label.", ["version"], registry=r)
@@ -414,6 +424,10 @@ class Metrics:
 
     def auth_refused(self, protocol: str, reason: str) -> None:
         self.auth_refusals.labels(protocol, reason).inc()
+
+    def ipc_request(self, process: str) -> None:
+        self.ipc_requests.labels(process).inc()
+
     # -- the store boundary (storage.metrics.StoreRecorder) -------------------------------------
     # The client-facing tier's bytes also count per protocol, for the front end that named itself
     # in storage.metrics.REQUEST_PROTOCOL (gRPC does; HTTP still counts its own bytes).

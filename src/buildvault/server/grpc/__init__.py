@@ -43,9 +43,11 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def server_options() -> list[tuple[str, Any]]:
+def server_options(reuseport: bool = False) -> list[tuple[str, Any]]:
+    """`reuseport`: several server processes share the port (server/processes.py); off otherwise,
+    so two servers can never silently share one."""
     return [
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuseport else 0),
         ("grpc.max_receive_message_length", MAX_MESSAGE_SIZE),
         ("grpc.max_send_message_length", MAX_MESSAGE_SIZE),
         # Clients (Bazel with --grpc_keepalive_time) may ping idle connections.

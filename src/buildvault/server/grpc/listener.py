@@ -46,9 +46,10 @@ class GrpcListener:
 
     name = "grpc"
 
-    def __init__(self, address: str, services: Services) -> None:
+    def __init__(self, address: str, services: Services, *, reuseport: bool = False) -> None:
         self.requested = address
         self.services = services
+        self.reuseport = reuseport  # several processes share the port (server/processes.py)
         self._server: grpc.aio.Server | None = None
         self._address: str | None = None
 
@@ -62,7 +63,7 @@ class GrpcListener:
         auth = s.auth
         if auth is not None and auth.enabled:  # after metrics, so refusals count as requests too
             interceptors.append(AuthInterceptor(auth))
-        server = grpc.aio.server(options=server_options(), interceptors=interceptors)
+        server = grpc.aio.server(options=server_options(self.reuseport), interceptors=interceptors)
         # Remote execution: Capabilities advertise it where it is served; Execution + Operations serve it.
         execution = s.execution
         controlled = auth is not None and auth.enabled
