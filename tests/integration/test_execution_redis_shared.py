@@ -8,6 +8,7 @@ they see the test's directory); every ordering asserted is read from the workers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 
@@ -256,14 +257,14 @@ async def test_a_stopped_worker_kills_its_action_and_another_worker_reruns_the_j
     assert response.result.execution_metadata.worker == "second"
 
 
-async def test_list_operations_on_one_server_lists_every_servers_operations(
-    buildvault_server_factory, redis, worker, tmp_path
-):
+@contextlib.asynccontextmanager
+async def running_on_a(buildvault_server_factory, redis, worker, gate):
+    """Servers A and B on one Redis, a worker of A's running an action gated on `gate`, executed
+    through A: yields channels to both, the action digest, the operation name and A's stream's rest."""
     a = buildvault_server_factory("a", extra_args=["--queue", redis.url])
     b = buildvault_server_factory("b", extra_args=["--queue", redis.url])
     worker(a)
-    gate = tmp_path / "go"
-    spec = gated(gate, "echo listed", salt=uuid.uuid4().bytes)
+    spec = gated(gate, "echo ran", salt=uuid.uuid4().bytes)
     async with (
         grpc.aio.insecure_channel(a.grpc_address, options=CLIENT_OPTIONS) as on_a,
         grpc.aio.insecure_channel(b.grpc_address, options=CLIENT_OPTIONS) as on_b,
@@ -273,6 +274,14 @@ async def test_list_operations_on_one_server_lists_every_servers_operations(
         name = (await call.read()).name
         rest = asyncio.ensure_future(_rest(call))
         await wait_until(lambda: processes_with(str(gate)), 60, "the job to run on the worker")
+        yield on_a, on_b, digest, name, rest
+
+
+async def test_list_operations_on_one_server_lists_every_servers_operations(
+    buildvault_server_factory, redis, worker, tmp_path
+):
+    gate = tmp_path / "go"
+    async with running_on_a(buildvault_server_factory, redis, worker, gate) as (_, on_b, digest, name, rest):
 
         async def listed_on_b() -> dict[str, operations_pb2.Operation]:
             response = await operations_stub(on_b).ListOperations(operations_pb2.ListOperationsRequest())
@@ -293,20 +302,8 @@ async def test_list_operations_on_one_server_lists_every_servers_operations(
 async def test_a_cancel_through_another_server_ends_the_operation_where_it_was_executed(
     buildvault_server_factory, redis, worker, tmp_path
 ):
-    a = buildvault_server_factory("a", extra_args=["--queue", redis.url])
-    b = buildvault_server_factory("b", extra_args=["--queue", redis.url])
-    worker(a)
     gate = tmp_path / "never"
-    spec = gated(gate, "true", salt=uuid.uuid4().bytes)
-    async with (
-        grpc.aio.insecure_channel(a.grpc_address, options=CLIENT_OPTIONS) as on_a,
-        grpc.aio.insecure_channel(b.grpc_address, options=CLIENT_OPTIONS) as on_b,
-    ):
-        digest = await spec.upload(make_stubs(on_a))
-        call = execution_stub(on_a).Execute(_request(digest))
-        name = (await call.read()).name
-        rest = asyncio.ensure_future(_rest(call))
-        await wait_until(lambda: processes_with(str(gate)), 60, "the job to run on the worker")
+    async with running_on_a(buildvault_server_factory, redis, worker, gate) as (on_a, on_b, _, name, rest):
         await operations_stub(on_b).CancelOperation(operations_pb2.CancelOperationRequest(name=name))
         # The client still watching on A sees its operation end CANCELLED, and the action stops.
         response = final_response(await asyncio.wait_for(rest, 30))
