@@ -353,8 +353,9 @@ def write_report(
         "`ac_*_cN` ActionCache with 3 outputs per result; `mixed_cold` 8 simulated build clients",
         "(GetActionResult miss → FindMissingBlobs → BatchUpdateBlobs + ByteStream.Write →",
         "UpdateActionResult), `mixed_warm` the same actions again (hit → read every output);",
-        "`server_rss_*` peak RSS of the server's process tree sampled every 20 ms (whole run, and",
-        "while streaming the 512 MiB blobs). Harness wall time per run: "
+        "`server_rss_*` peak resident memory of the server's process tree less file-backed pages",
+        "(mapped libraries, buildvault's LMDB data file: page cache), sampled every 20 ms (whole run,",
+        "and while streaming the 512 MiB blobs). Harness wall time per run: "
         + ", ".join(
             f"{name} {statistics.median([d['wall_s'] for d in runs[name]]):.0f} s" for name in names if runs[name]
         )

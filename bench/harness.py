@@ -11,8 +11,9 @@ marks the scenario failed and the process exits 1 (2 when the endpoint cannot be
 all). Blob contents are fresh
 random bytes on every run, so no server can answer from an earlier run's data.
 
-With --server-pid, a thread samples /proc/PID/status (VmRSS, VmHWM) of that process and all
-its descendants every 20 ms: each scenario reports the peak it saw, and two extra rows report
+With --server-pid, a thread samples /proc/PID/status (VmRSS less RssFile: memory of its own, not
+mapped file pages such as an LMDB data file; and VmHWM) of that process and all its descendants
+every 20 ms: each scenario reports the peak it saw, and two extra rows report
 the run's peak and the peak while streaming the largest ByteStream blobs.
 
 --quick shrinks every size and count so the whole run takes seconds: the protocol-regression
@@ -212,17 +213,21 @@ def describe(exc: BaseException) -> str:
 
 
 def _status_kib(pid: int) -> tuple[int, int]:
-    rss = hwm = 0
+    """(resident memory less file-backed pages, VmHWM) in KiB. File pages (mapped libraries, an
+    LMDB data file) are page cache the kernel drops under pressure, not the server's own memory."""
+    rss = file = hwm = 0
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
             for line in handle:
                 if line.startswith("VmRSS:"):
                     rss = int(line.split()[1])
+                elif line.startswith("RssFile:"):
+                    file = int(line.split()[1])
                 elif line.startswith("VmHWM:"):
                     hwm = int(line.split()[1])
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
-    return rss, hwm
+    return rss - file, hwm
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -240,7 +245,8 @@ def _process_tree(pid: int) -> list[int]:
 
 
 class RssSampler(threading.Thread):
-    """Samples the summed VmRSS of a process tree; windows give per-scenario peaks."""
+    """Samples the summed resident memory (less file pages) of a process tree; windows give
+    per-scenario peaks."""
 
     def __init__(self, pid: int, period: float = 0.02) -> None:
         super().__init__(name="rss-sampler", daemon=True)
