@@ -41,6 +41,17 @@ class _Connection:
         self.reader = reader
         self.writer = writer
 
+    async def exchange(self, kind: int, *parts: bytes) -> tuple[int, bytes]:
+        """One request frame, the first answer frame; a broken connection is closed and Unavailable."""
+        try:
+            await wire.write_frame(self.writer, kind, *parts)
+            return await wire.read_frame(self.reader)
+        except BaseException as e:
+            self.close()
+            if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
+                raise Unavailable(f"the primary server process's store went away: {e!r}") from None
+            raise
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.writer.close()
@@ -79,14 +90,7 @@ class RemoteStoreClient:
     async def call(self, kind: int, *parts: bytes) -> bytes:
         """One request, its OK body; an ERROR frame raises its exception."""
         connection = await self.acquire()
-        try:
-            await wire.write_frame(connection.writer, kind, *parts)
-            answer, body = await wire.read_frame(connection.reader)
-        except BaseException as e:
-            connection.close()
-            if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
-                raise Unavailable(f"the primary server process's store went away: {e!r}") from None
-            raise
+        answer, body = await connection.exchange(kind, *parts)
         self.release(connection)
         if answer == Kind.ERROR:
             raise wire.error_from(body)
@@ -175,16 +179,8 @@ class RemoteBlobStore:
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
         client = self.client
         connection = await client.acquire()
-        try:
-            await wire.write_frame(
-                connection.writer, Kind.READ, struct.pack("<qq", offset, limit), wire.pack_digests([digest])
-            )
-            kind, body = await wire.read_frame(connection.reader)
-        except BaseException as e:
-            connection.close()
-            if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
-                raise Unavailable(f"the primary server process's store went away: {e!r}") from None
-            raise
+        request = (struct.pack("<qq", offset, limit), wire.pack_digests([digest]))
+        kind, body = await connection.exchange(Kind.READ, *request)
         if kind == Kind.ERROR:  # NotFound, InvalidRange...: before any byte, and nothing follows
             client.release(connection)
             raise wire.error_from(body)
