@@ -171,14 +171,22 @@ def response_of(operation: operations_pb2.Operation) -> re_pb2.ExecuteResponse:
 
 def processes_with(marker: str) -> list[int]:
     """Pids whose command line contains `marker` (an action's own, unique argument)."""
-    found = []
+    return [pid for pid, cmdline in _command_lines() if marker.encode() in cmdline]
+
+
+def processes_running(argv: list[str]) -> list[int]:
+    """Pids whose command line is exactly `argv`: the action's own program, not a wrapper naming it."""
+    wanted = b"".join(arg.encode() + b"\0" for arg in argv)
+    return [pid for pid, cmdline in _command_lines() if cmdline == wanted]
+
+
+def _command_lines() -> list[tuple[int, bytes]]:
+    lines = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            lines.append((int(entry), Path(f"/proc/{entry}/cmdline").read_bytes()))
         except OSError:
             continue
-        if marker.encode() in cmdline:
-            found.append(int(entry))
-    return found
+    return lines

@@ -10,7 +10,7 @@ import uuid
 
 import grpc
 import pytest
-from execution_client import ActionSpec, execute, execution_stub, final_response, processes_with
+from execution_client import ActionSpec, execute, execution_stub, final_response, processes_running, processes_with
 from polling import wait_for, wait_until
 from reapi_client import CLIENT_OPTIONS, make_stubs, read
 from redis_process import RedisProcess, WorkerProcess, wait_workers
@@ -84,11 +84,13 @@ async def test_a_lost_workers_job_is_taken_back(queue_server, redis, workers):
         running = await wait_until(lambda: queue_server.status()["execution"]["running"], 60, "the job to start")
         victim = by_name[running[0]["worker"]]
         assert b"sandbox=bwrap" in victim.log.read_bytes()
-        wait_for(lambda: processes_with(f"sleep {marker}"), 30, "the action to run")
+        # The sleep itself, not bwrap naming it: bwrap arms --die-with-parent only after its exec.
+        wait_for(lambda: processes_running(["sleep", marker]), 30, "the action to run")
+        action = set(processes_with(f"sleep {marker}"))  # bwrap, the shell and the sleep
         victim.kill()
-        # bwrap's --die-with-parent ends the action with its worker, well before the lease (3 s)
-        # lets the survivor run it again.
-        wait_for(lambda: not processes_with(f"sleep {marker}"), 1.5, "the killed worker's action to end")
+        # bwrap's --die-with-parent ends the action with its worker. The survivor may already be
+        # running it again once the lease (3 s) lapses, so only the victim's own pids are watched.
+        wait_for(lambda: not action & set(processes_with(f"sleep {marker}")), 1.5, "the killed worker's action to end")
         response = final_response(await asyncio.wait_for(messages, 120))
         assert response.status.code == 0 and response.result.exit_code == 0, response
         survivor = next(name for name in by_name if name != victim.name)
