@@ -2,20 +2,22 @@
 
     .venv/bin/python bench/ops_bench.py [--verify-mib 1024] [--gc-objects 100000] [--gc-real-run]
 
-verify: data directories of 4 MiB blobs and of 4 KiB blobs written straight into the disk
-layout (in the page cache, as on a live server), then `verify` re-hashes each, twice (the first
-run shares the disk with the kernel's writeback of the seeding); MB/s is blob bytes over the
-whole run (listing, open, read, hash). `--gc-objects 0` skips gc. gc: the S3 test server
-(moto) in a process of its own (bench/moto_seeded.py: `--gc-objects` objects, 1 in 12 an
-ActionResult naming 5 blobs, about half of the blobs unreferenced), then a dry-run gc lists and
-decides them all (with `--gc-real-run` a real gc follows, deleting the unreferenced half); the
-listing and the reading of the entries are timed apart, and the CPU seconds moto and gc spent
-are measured apart (the machine's cores are shared: see the load averages).
+verify: data directories written straight into the disk layout (in the page cache, as on a live
+server): 4 MiB blobs, 4 KiB blobs once as LMDB records (as the server keeps blobs up to 16 KiB)
+and once as files, and 20 KiB files; `verify` re-hashes each, twice (the first run shares the
+disk with the kernel's writeback of the seeding); MB/s is blob bytes over the whole run
+(listing, open, read, hash). `--gc-objects 0` skips gc. gc: the S3 test server (moto) in a
+process of its own (bench/moto_seeded.py: `--gc-objects` objects, 1 in 12 an ActionResult naming
+5 blobs, about half of the blobs unreferenced), then a dry-run gc lists and decides them all
+(with `--gc-real-run` a real gc follows, deleting the unreferenced half); the listing and the
+reading of the entries are timed apart, and the CPU seconds moto and gc spent are measured apart
+(the machine's cores are shared: see the load averages).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
@@ -29,6 +31,9 @@ import moto_seeded
 
 from buildvault.admin import gc, verify
 from buildvault.config import Settings
+from buildvault.digest import Digest
+from buildvault.storage.disk import DiskStorage, records
+from buildvault.storage.disk.layout import cas_key
 
 
 def _write_blob(root: Path, data: bytes) -> None:
@@ -38,10 +43,35 @@ def _write_blob(root: Path, data: bytes) -> None:
     (shard / f"{digest}-{len(data)}").write_bytes(data)
 
 
-def _verify_dir(count: int, size: int) -> dict[str, object]:
+async def _lay_out(root: Path) -> None:
+    """A store's directories, as the server leaves them."""
+    storage = await DiskStorage.open(root, 1 << 30, checkpoint_interval=None)
+    await storage.close()
+
+
+def _write_records(root: Path, count: int, size: int) -> None:
+    """Small blobs as the server keeps them: records in the store's LMDB, written by its own code."""
+    asyncio.run(_lay_out(root))
+    store = records.Records(str(root / "records"), max_size=4 * count * size + (64 << 20), limit=records.RECORD_LIMIT)
+    store.open()
+    try:
+        for start in range(0, count, 1000):
+            items = []
+            for _ in range(min(1000, count - start)):
+                data = os.urandom(size)
+                digest = Digest(hashlib.sha256(data).hexdigest(), size)
+                items.append((cas_key(digest), data, digest))
+            assert records.put_many(store, items) == [None] * len(items)
+    finally:
+        store.close()
+
+
+def _verify_dir(count: int, size: int, as_records: bool = False) -> dict[str, object]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/var/tmp")) as scratch:
         root = Path(scratch)
-        for _ in range(count):
+        if as_records:
+            _write_records(root, count, size)
+        for _ in range(0 if as_records else count):
             _write_blob(root, os.urandom(size))
         found = verify.verify(root, show_progress=False)
         again = verify.verify(root, show_progress=False)  # the kernel's writeback of the seeding is over
@@ -57,10 +87,16 @@ def _verify_dir(count: int, size: int) -> dict[str, object]:
 
 
 def bench_verify(mib: int) -> dict[str, object]:
-    """Large blobs (4 MiB: hashing-bound) and small ones (4 KiB: per-file cost) measured apart."""
+    """Large blobs (4 MiB: hashing-bound); small ones (4 KiB) as the server keeps them (LMDB
+    records) and as files (a store written before records, until the server's next start moves
+    them into records: the per-file cost); and the smallest files the server writes now (20 KiB,
+    just above the record limit). The small kinds get a sixteenth of the bytes each."""
+    share = (mib << 20) // 16
     return {
         "large_4mib": _verify_dir(max(1, mib // 4), 4 << 20),
-        "small_4kib": _verify_dir(max(1, (mib << 20) // 16 // 4096), 4096),  # a sixteenth of the bytes
+        "small_4kib_records": _verify_dir(max(1, share // 4096), 4096, as_records=True),
+        "small_4kib_files": _verify_dir(max(1, share // 4096), 4096),
+        "files_20kib": _verify_dir(max(1, share // 20480), 20480),
     }
 
 

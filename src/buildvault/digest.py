@@ -102,6 +102,13 @@ def new_hasher(function: DigestFunction) -> Hasher:
     return hashlib.sha256()
 
 
+def raw_hash(function: DigestFunction, data: bytes | memoryview) -> bytes:
+    """The raw (not hex) hash of `data`: what a store key holds."""
+    if function is DigestFunction.BLAKE3:
+        return blake3.blake3(data, max_threads=1).digest()
+    return hashlib.sha256(data).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class Digest:
     """A content digest. `hash` is lowercase hex; the function is part of identity."""

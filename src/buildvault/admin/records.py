@@ -28,7 +28,6 @@ READ_BATCH = 1024
 class Record(NamedTuple):
     key: bytes
     value: bytes  # as stored: CRC-32 + data
-    label: str
 
     @property
     def data(self) -> bytes:
@@ -74,7 +73,7 @@ class AdminRecords:
                 for key, value in cursor.iternext():
                     if not key.startswith(prefix):
                         break
-                    batch.append(Record(bytes(key), bytes(value), self.label(bytes(key))))
+                    batch.append(Record(key, value))
                     if len(batch) >= READ_BATCH:
                         break
             yield from batch
@@ -89,14 +88,14 @@ class AdminRecords:
                 key = record.key
                 if len(key) != 33 + SIZE_BYTES:
                     continue
-                intact = store_records.check_record(key, record.value, None)
+                intact = store_records.check_record(key, record.value)
                 yield record, FN_BY_BYTE[key[0]], key[1:33].hex(), cas_size(key), intact
 
     def entries(self) -> Iterator[tuple[Record, str, DigestFunction, bool]]:
         """Every action entry record: (record, kind, function, CRC intact)."""
         for record in self._scan(bytes([AC_TAG])):
             key = record.key
-            yield record, kind_of(key), FN_BY_BYTE[key[-33]], store_records.check_record(key, record.value, None)
+            yield record, kind_of(key), FN_BY_BYTE[key[-33]], store_records.check_record(key, record.value)
 
     def blob(self, function: DigestFunction, hex_hash: str, size: int) -> bytes | None:
         """The intact data of a CAS record, or None."""
@@ -105,7 +104,7 @@ class AdminRecords:
         key = FN_BYTE[function] + bytes.fromhex(hex_hash) + size.to_bytes(SIZE_BYTES, "big")
         with self.env.begin() as txn:
             value = txn.get(key)
-        if value is None or not store_records.check_record(key, value, None):
+        if value is None or not store_records.check_record(key, value):
             return None
         return bytes(value[4:])
 

@@ -165,10 +165,11 @@ def _verify(root: Path, recs: AdminRecords, repair: bool, show_progress: bool, s
         if good:
             intact[(function, f"{hash_}-{size}")] = None
             continue
-        findings.corrupt_blobs.append(record.label)
-        bad_records[record.label] = record
+        label = recs.label(record.key)
+        findings.corrupt_blobs.append(label)
+        bad_records[label] = record
         if refetch is not None and refetch.restore_record(recs, function, hash_, size, record.value):
-            findings.restored_blobs.append(record.label)
+            findings.restored_blobs.append(label)
             intact[(function, f"{hash_}-{size}")] = None
 
     def blob_path(function: DigestFunction, name: str) -> Path:
@@ -254,7 +255,7 @@ def _verify(root: Path, recs: AdminRecords, repair: bool, show_progress: bool, s
             check_entry(path, kind, function, data, functools.partial(_remove_if_unchanged, path, stat))
     for record, kind, function, crc_ok in recs.entries():
         data = record.data if crc_ok else b""  # a record failing its CRC is broken whatever its bytes
-        check_entry(record.label, kind, function, data, functools.partial(recs.remove_if_unchanged, record))
+        check_entry(recs.label(record.key), kind, function, data, functools.partial(recs.remove_if_unchanged, record))
     if repair:
         # Entries before blobs: an interrupted repair leaves no entry pointing at a removed blob.
         for remove in bad_entries:

@@ -52,7 +52,7 @@ class Reader:
         verification: Verification | None = None
         try:
             if size <= core.index.limit:  # a record, checked whole
-                status, data = await core.ops.submit(records.get_one, (core.records, key, digest, offset, end))
+                status, data = await core.ops.submit(records.get_one, (core.records, key, offset, end))
             elif size <= SMALL_OP:  # whole and verified, in a coalesced trip; no file stays open
                 status, data = await core.ops.submit(fileops.read_small, (path, digest, offset, end))
             else:
@@ -96,7 +96,7 @@ class Reader:
         cas_dir = core.layout.cas_dir
         batch: list[tuple[str, Digest]] = []
         where: list[tuple[int, bytes, Digest]] = []
-        record_batch: list[tuple[bytes, Digest | None]] = []
+        record_batch: list[bytes] = []
         record_where: list[tuple[int, bytes, Digest]] = []
         limit = core.index.limit
         singles: list[int] = []
@@ -111,7 +111,7 @@ class Reader:
                 continue
             entries[key] = now  # read: a use
             if size <= limit:
-                record_batch.append((key, digest))
+                record_batch.append(key)
                 record_where.append((i, key, digest))
             elif size > SMALL_OP:
                 singles.append(i)
@@ -191,7 +191,7 @@ class Reader:
         data: bytes | None
         try:
             if index.in_records(key):
-                status, data = await core.ops.submit(records.get_one, (core.records, key, None))
+                status, data = await core.ops.submit(records.get_one, (core.records, key))
                 if status == fileops.DAMAGED:
                     core.drop_damaged(key)
                     raise NotFound(f"no entry for {digest} in {namespace!r} (damaged on disk)")

@@ -45,7 +45,7 @@ from typing import Any
 
 import lmdb
 
-from buildvault.digest import Digest
+from buildvault.digest import Digest, raw_hash
 from buildvault.storage.disk import fileops
 from buildvault.storage.disk.fileops import DAMAGED, FAILED, MISSING, OK
 from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, SIZE_BYTES, cas_size
@@ -200,47 +200,43 @@ def put_one(records: Records, key: bytes, data: bytes, digest: Digest | None, st
         raise error
 
 
-def check_record(key: bytes, value: bytes | memoryview, digest: Digest | None) -> bool:
-    """Whether a stored value is intact: its CRC, and for CAS its size and hash."""
+def check_record(key: bytes, value: bytes | memoryview) -> bool:
+    """Whether a stored value is intact: its CRC, and for CAS the size and hash its key names."""
     if len(value) < _CRC:
         return False
     data = value[_CRC:]
-    if crc_of(data) != bytes(value[:_CRC]):
+    if zlib.crc32(data) != int.from_bytes(value[:_CRC], "little"):
         return False
     if key[0] == AC_TAG:
         return True
-    if digest is None:
-        digest = Digest(key[1:33].hex(), cas_size(key), FN_BY_BYTE[key[0]])
-    return len(data) == digest.size_bytes and fileops.content_matches(bytes(data), digest)
+    return len(data) == cas_size(key) and raw_hash(FN_BY_BYTE[key[0]], data) == key[1:33]
 
 
-def get_many(records: Records, items: list[tuple[bytes, Digest | None]]) -> list[tuple[int, bytes | OSError]]:
+def get_many(records: Records, keys: list[bytes]) -> list[tuple[int, bytes | OSError]]:
     """Records in one read transaction, each checked (check_record): (OK, data), (MISSING, b""),
     (DAMAGED, b"") or (FAILED, the OSError)."""
     results: list[tuple[int, bytes | OSError]] = []
     try:
         with records.live.begin(buffers=True) as txn:
-            for key, digest in items:
+            for key in keys:
                 value = txn.get(key)
                 if value is None:
                     results.append((MISSING, b""))
-                elif check_record(key, value, digest):
+                elif check_record(key, value):
                     results.append((OK, bytes(value[_CRC:])))
                 else:
                     results.append((DAMAGED, b""))
     except lmdb.Error as e:
         error = as_oserror(e, "reading records")
-        return [(FAILED, error)] * len(items)
+        return [(FAILED, error)] * len(keys)
     except OSError as e:
-        return [(FAILED, e)] * len(items)
+        return [(FAILED, e)] * len(keys)
     return results
 
 
-def get_one(
-    records: Records, key: bytes, digest: Digest | None, offset: int = 0, end: int | None = None
-) -> tuple[int, bytes]:
+def get_one(records: Records, key: bytes, offset: int = 0, end: int | None = None) -> tuple[int, bytes]:
     """One record, as get_many; bytes [offset, end) of it when OK. Raises the OSError of a failure."""
-    status, data = get_many(records, [(key, digest)])[0]
+    status, data = get_many(records, [key])[0]
     if isinstance(data, OSError):
         raise data
     return status, data[offset:end]
@@ -320,7 +316,7 @@ def verify_all(records: Records, validate: Callable[[bytes, bytes], bool]) -> tu
             for key_view, value in txn.cursor().iternext(keys=True, values=True):
                 key = bytes(key_view)
                 checked += 1
-                good = check_record(key, value, None)
+                good = check_record(key, value)
                 if good and key[0] == AC_TAG:
                     good = validate(key, bytes(value[_CRC:]))
                 if not good:
