@@ -1,6 +1,7 @@
 """Start-up time and index memory of the disk store, plus a few hot-path timings. Prints JSON.
 
     .venv/bin/python bench/disk_restart.py [--blobs 100000] [--dir DIR] [--keep]
+    .venv/bin/python bench/disk_restart.py --records --blobs 10000000 --no-throughput
 
 Creates N small blobs directly in the on-disk layout (fast; the store's write path is measured
 separately), then times DiskStorage.open(): without a snapshot (every directory listed, every
@@ -8,12 +9,19 @@ file stat'ed for its mtime) and with one (after a clean close: no directory chan
 A third open follows changes to every sha256 directory (the worst case after a crash: only
 changed directories are listed, only unknown files stat'ed). Index bytes/blob is tracemalloc's
 count of what open() keeps, divided by N.
+
+--records: the blobs are LMDB records, as the server keeps blobs up to 16 KiB (written with the
+store's own records.put_many), for counts no file tree holds: the first open walks the records,
+the second loads the snapshot. Index memory is then the process's anonymous resident memory
+(VmRSS less RssFile: LMDB's map is file pages) after the timed open less before it (tracemalloc
+would take hours at 10 M); the crash case (files) is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -26,7 +34,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from buildvault.digest import Digest
-from buildvault.storage.disk import DiskStorage
+from buildvault.storage.disk import DiskStorage, records
+from buildvault.storage.disk.layout import cas_key
 
 
 def create_blobs(root: Path, count: int, write: bool = True) -> list[Digest]:
@@ -36,13 +45,45 @@ def create_blobs(root: Path, count: int, write: bool = True) -> list[Digest]:
         (base / f"{i:02x}").mkdir(parents=True, exist_ok=True)
     digests = []
     for i in range(count):
-        data = i.to_bytes(8, "big") * (1 + i % 16)
+        data = blob_data(i)
         digest = Digest(hashlib.sha256(data).hexdigest(), len(data))
         if write:
             with open(base / digest.hash[:2] / f"{digest.hash}-{digest.size_bytes}", "wb") as f:
                 f.write(data)
         digests.append(digest)
     return digests
+
+
+def blob_data(i: int) -> bytes:
+    return i.to_bytes(8, "big") * (1 + i % 16)
+
+
+async def create_records(root: Path, count: int) -> list[Digest]:
+    """Blob i (as create_blobs) as a record; returns a sample of 500 digests, not all (memory)."""
+    storage = await DiskStorage.open(root, 1 << 40, checkpoint_interval=None)
+    await storage.close()  # the store's directories
+    store = records.Records(str(root / "records"), 1 << 40, records.RECORD_LIMIT)
+    store.open()
+    sample = []
+    step = max(1, count // 500)
+    try:
+        for start in range(0, count, 10_000):
+            items = []
+            for i in range(start, min(count, start + 10_000)):
+                data = blob_data(i)
+                digest = Digest(hashlib.sha256(data).hexdigest(), len(data))
+                items.append((cas_key(digest), data, None))
+                if i % step == 0 and len(sample) < 500:
+                    sample.append(digest)
+            assert records.put_many(store, items) == [None] * len(items)
+    finally:
+        store.close()
+    return sample
+
+
+def anonymous_rss() -> int:
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return (int(fields["VmRSS"].split()[0]) - int(fields["RssFile"].split()[0])) * 1024
 
 
 async def timed_open(root: Path, max_size: int) -> tuple[DiskStorage, float]:
@@ -83,6 +124,7 @@ async def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--reuse", action="store_true", help="the blobs already exist in --dir (from --keep)")
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--records", action="store_true", help="the blobs as LMDB records (see above)")
     args = parser.parse_args()
     work = args.dir or Path(tempfile.mkdtemp(prefix="bv-disk-bench-"))
     root = work / "store"
@@ -90,7 +132,10 @@ async def main() -> None:
     result: dict[str, object] = {"blobs": args.blobs}
     try:
         started = time.perf_counter()
-        digests = create_blobs(root, args.blobs, write=not args.reuse)
+        if args.records:
+            digests = await create_records(root, args.blobs)
+        else:
+            digests = create_blobs(root, args.blobs, write=not args.reuse)
         result["create_seconds"] = round(time.perf_counter() - started, 2)
         (root / "index.lru").unlink(missing_ok=True)
         result["loadavg_1min"] = os.getloadavg()[0]
@@ -117,6 +162,16 @@ async def main() -> None:
         assert len(missing) == 500
         result["find_missing_1000_ms"] = round(statistics.median(timings) * 1000, 3)
         await storage.close()
+        if args.records:
+            gc.collect()
+            before = anonymous_rss()
+            storage, seconds = await timed_open(root, max_size)
+            result["open_with_snapshot_again_seconds"] = round(seconds, 3)
+            result["index_rss_bytes_per_blob"] = round((anonymous_rss() - before) / args.blobs, 1)
+            result["index_rss_gib"] = round((anonymous_rss() - before) / (1 << 30), 2)
+            await storage.close()
+            print(json.dumps(result, indent=2))
+            return
 
         # Worst crash recovery: every sha256 directory changed after the last snapshot.
         await asyncio.sleep(0.05)
