@@ -133,7 +133,9 @@ class Agent:
         return prepare(c, cwd, env, self.roots_for(cwd, env), ident, spec, compiler)
 
     # -- the two halves of a compile -------------------------------------------------------------
-    def handle_compile(self, req: Reply) -> Reply:
+    def handle_compile(self, req: Reply, lookup_only: bool = False) -> Reply:
+        """A hit (outputs restored), a bypass, or a run of the compiler for the launcher; with
+        `lookup_only` a miss is {"op": "miss"} and nothing of it is kept."""
         argv, cwd, env = req["argv"], req["cwd"], req["env"]
         extra = tuple(f for f in env.get("BUILDVAULT_SAFE_FLAGS", "").split(",") if f)
         c = classify(argv, env, extra)
@@ -167,11 +169,26 @@ class Agent:
                   f"{time.perf_counter() - t0:.3f}s", file=sys.stderr, flush=True)
         if hit is not None:
             return hit
+        if lookup_only:
+            return {"op": "miss"}
         token = uuid.uuid4().hex
         exec_argv, temps, depfile = private_argv(c, p.outputs, token, self.tmpdir)
         with self.lock:
             self.pending[token] = _Pending(p, temps, depfile, time.time(), env)
         return {"op": "run", "argv": exec_argv, "token": token}
+
+    def handle_native(self, req: Reply) -> bytes:
+        """A compile from buildvault-cc-native (native_launcher.c): a hit is restored, logged here
+        (that launcher writes no event log) and answered in protocol.plain_hit; anything else is
+        declined with nothing kept, and the launcher hands the compile to buildvault-cc, which
+        asks again and takes the usual path."""
+        start = time.monotonic()
+        reply = self.handle_compile(req, lookup_only=True)
+        if reply.get("op") != "hit":
+            return protocol.DECLINED
+        warning = (reply.get("warning") or self._take_warning() or "").rstrip("\n")
+        _log_hit(req, reply, time.monotonic() - start)
+        return protocol.plain_hit(int(reply["exit"]), reply["stdout"], reply["stderr"], warning)
 
     def handle_step(self, req: Reply) -> Reply:
         """A `buildvault run` step: restored here on a hit, else handed back (run/agent_step.py)."""
@@ -301,6 +318,27 @@ def _log_event(env: dict[str, str], p: Prepared, req: Reply, reply: Reply) -> No
     protocol.append_line(path, line)
 
 
+def _log_hit(req: Reply, reply: Reply, seconds: float) -> None:
+    """The event line of a native launcher's hit: launcher._log's fields, timed from the request."""
+    path = req["env"].get("BUILDVAULT_EVENT_LOG")
+    if not path:
+        return
+    event = {
+        "status": "HIT",
+        "reason": "hit",
+        "action": reply.get("digest"),
+        "outputs": reply.get("outputs", 0),
+        "source": protocol.source_of(req["argv"]),
+        "cwd": req["cwd"],
+        "saved": round(max(0.0, float(reply.get("compile_seconds", 0.0)) - seconds), 4),
+        "seconds": round(seconds, 4),
+        "exit": reply["exit"],
+        "via": "native",
+        "ts": round(time.time(), 3),
+    }
+    protocol.append_line(path, json.dumps(event, separators=(",", ":")) + "\n")
+
+
 def _alive(socket_path: str) -> bool:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -335,6 +373,10 @@ class _Handler(socketserver.BaseRequestHandler):
                         reply = agent.handle_compile(req)
                         if not reply.get("warning"):
                             reply["warning"] = agent._take_warning()  # from a background upload
+                    elif op == "native-compile":
+                        protocol.send_plain(sock, agent.handle_native(req))
+                        agent.last_activity = time.monotonic()
+                        continue
                     elif op == "done":
                         reply = agent.handle_done(req)
                     elif op == "step":  # `buildvault run` (run/fast.py)

@@ -9,6 +9,10 @@
                                        and print its path: the same launcher started with
                                        `python -IS` (no site, no `import re` from the pip
                                        wrapper): ~10 ms less start-up per compile.
+    buildvault-cc --install-native [DIR]
+                                       compile DIR/buildvault-cc-native (C, needs cc) and print
+                                       its path: a hit without a Python start-up; anything else
+                                       it hands to this launcher (native_build.py)
 
 All the work happens in a long-lived local agent (agent.py) reached over a unix socket and
 started on demand; this process only forwards the command line, runs the real compiler on a
@@ -264,18 +268,11 @@ def _log(event: dict[str, Any]) -> None:
     protocol.append_line(path, line)
 
 
-def _source_of(argv: list[str]) -> str | None:
-    for arg in argv[1:]:
-        if not arg.startswith("-") and os.path.splitext(arg)[1] in (".c", ".cc", ".cpp", ".cxx", ".C", ".c++", ".S"):
-            return arg
-    return None
-
-
 def compile_through_cache(argv: list[str], state: dict[str, bool] | None = None) -> int:
     state = {} if state is None else state
     start = time.monotonic()
-    event: dict[str, Any] = {"status": "BYPASS", "reason": "", "action": None, "outputs": 0, "source": _source_of(argv),
-             "cwd": os.getcwd()}
+    event: dict[str, Any] = {"status": "BYPASS", "reason": "", "action": None, "outputs": 0,
+                             "source": protocol.source_of(argv), "cwd": os.getcwd()}
 
     def finish(code: int) -> int:
         event["seconds"] = round(time.monotonic() - start, 4)
@@ -392,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         return _control("flush")
     if args[0] == "--install-fast":
         return install_fast(args[1] if len(args) > 1 else None)
+    if args[0] == "--install-native":
+        from .native_build import install as install_native
+
+        return install_native(args[1] if len(args) > 1 else None)
     if args[0] == "--agent":
         from .agent import main as agent_main
 

@@ -20,6 +20,10 @@ directory, so only the same user can talk to the agent.
            |  {"op": "local", "reason"}                                  run the in-process path
     control: {"op": "ping"} -> {"op": "pong", "pid"}; {"op": "flush"} waits for uploads;
              {"op": "stop"} flushes and exits.
+    buildvault-cc-native (native_launcher.c), which cannot read marshal:
+    native -> {"op": "native-compile", "argv", "cwd", "env"}
+    agent  -> plain_hit(...)  outputs already written, the event line written by the agent
+           |  DECLINED        nothing done: the native launcher hands the compile to buildvault-cc
 
 Both ends also write the event log (BUILDVAULT_EVENT_LOG), one JSON line per compile:
 `append_line`.
@@ -43,6 +47,31 @@ MAX_MESSAGE = 256 * 1024 * 1024
 def send(sock: _socket.socket, message: dict[str, Any]) -> None:
     data = marshal.dumps(message)
     sock.sendall(len(data).to_bytes(4, "big") + data)
+
+
+def send_plain(sock: _socket.socket, body: bytes) -> None:
+    """A reply to the native launcher: the same length prefix, a body of its own format."""
+    sock.sendall(len(body).to_bytes(4, "big") + body)
+
+
+DECLINED = b"D"
+
+
+def plain_hit(exit_code: int, stdout: bytes, stderr: bytes, warning: str) -> bytes:
+    """b"H", the exit code (4 bytes, signed), then stdout, stderr and a warning line (UTF-8),
+    each as a 4-byte length and its bytes; every integer big-endian."""
+    parts = [b"H", exit_code.to_bytes(4, "big", signed=True)]
+    for field in (stdout, stderr, warning.encode()):
+        parts += [len(field).to_bytes(4, "big"), field]
+    return b"".join(parts)
+
+
+def source_of(argv: list[str]) -> str | None:
+    """The source file a compile line names, for the event log."""
+    for arg in argv[1:]:
+        if not arg.startswith("-") and os.path.splitext(arg)[1] in (".c", ".cc", ".cpp", ".cxx", ".C", ".c++", ".S"):
+            return arg
+    return None
 
 
 def _recv_exact(sock: _socket.socket, n: int) -> bytes | None:
