@@ -37,6 +37,7 @@ from buildvault.storage import (
     ac_namespace,
 )
 from buildvault.storage.disk import SMALL_OP, WRITE_BATCH, DiskStorage, accache, fileops
+from buildvault.storage.disk.core import UPLOAD_BUFFER_BUDGET
 
 # Tests that work on files directly (remove, damage, count them) run with the file layout
 # (files_only); the others with both layouts (either_layout). test_disk_records.py covers records.
@@ -599,6 +600,42 @@ async def test_cancelling_small_writes_in_a_coalesced_trip_keeps_everything_cons
     for data in blobs:
         assert await read_all(storage, Digest.of(data)) == data
     assert storage.reserved_bytes == 0 and storage.stats().used_bytes == sum(map(len, blobs))
+    assert os.listdir(storage.root / "tmp") == []
+    assert_consistent(storage)
+
+
+async def test_many_uploads_at_once_share_a_bounded_buffer(storage: DiskStorage) -> None:
+    """40 uploads in progress at once, each sent 2.5 MiB and then quiet: together they hold less
+    than UPLOAD_BUFFER_BUDGET (with a fixed 1 MiB batch each held ~1.5 MiB: 60 MiB)."""
+    data = os.urandom(4 * WRITE_BATCH)
+    go, quiet = asyncio.Event(), []
+    tasks = []
+
+    async def part_then_quiet(fed: asyncio.Event) -> AsyncIterator[bytes]:
+        await go.wait()
+        for start in range(0, 2 * WRITE_BATCH + WRITE_BATCH // 2, 64 * 1024):
+            yield data[start : start + 64 * 1024]
+        fed.set()
+        await asyncio.Event().wait()  # the client went quiet
+
+    tracemalloc.start()
+    try:
+        for _ in range(40):
+            fed = asyncio.Event()
+            quiet.append(fed)
+            tasks.append(asyncio.ensure_future(storage.cas.write(Digest.of(data), part_then_quiet(fed))))
+        await asyncio.sleep(0)
+        go.set()
+        await asyncio.wait_for(asyncio.gather(*(fed.wait() for fed in quiet)), 60)
+        await storage.cas.find_missing([Digest.of(b"x")])  # a round trip: every submitted batch is done
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert held < UPLOAD_BUFFER_BUDGET, f"40 quiet uploads hold {held} bytes"
+    assert await storage.cas.find_missing([Digest.of(b"y")]) != []  # the store still answers
     assert os.listdir(storage.root / "tmp") == []
     assert_consistent(storage)
 

@@ -31,6 +31,12 @@ log = logging.getLogger("buildvault.storage.disk")
 # Incoming chunks are gathered to this size before one thread hop hashes and writes them:
 # Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
 WRITE_BATCH = 1 << 20
+# What the streamed uploads in progress may hold in memory between them: each up to three batches
+# (one arriving, one being hashed, one being written), so under many concurrent uploads the batch
+# shrinks (down to MIN_WRITE_BATCH) instead of the memory growing with them; a few at once keep
+# WRITE_BATCH.
+UPLOAD_BUFFER_BUDGET = 48 << 20
+MIN_WRITE_BATCH = 64 << 10
 # Blobs and entries up to this size are written and read whole, and their file operations are
 # coalesced (coalescer.py).
 SMALL_OP = WRITE_BATCH

@@ -3,7 +3,8 @@
 Entries up to the record limit are records (records.py): verified and committed in one coalesced
 operation, a whole batch in one LMDB transaction. Others up to SMALL_OP bytes are gathered in
 memory and verified, written and renamed in one coalesced operation; larger ones stream into a
-temp file in WRITE_BATCH batches, one batch hashed while the previous one is written. Either way
+temp file in batches of up to WRITE_BATCH (smaller when many uploads run at once: core.py's
+UPLOAD_BUFFER_BUDGET), one batch hashed while the previous one is written. Either way
 a blob becomes visible only once verified, by one commit or one atomic rename, and a failed or
 cancelled write leaves nothing behind. Once the commit or rename is under way it completes and
 is indexed even if the caller is cancelled.
@@ -21,7 +22,7 @@ from typing import Any
 from buildvault.digest import Digest, new_hasher
 from buildvault.storage import CapacityExceeded, DigestMismatch, StorageFull
 from buildvault.storage.disk import batches, fileops, healing, records
-from buildvault.storage.disk.core import SMALL_OP, WRITE_BATCH, Core
+from buildvault.storage.disk.core import MIN_WRITE_BATCH, SMALL_OP, UPLOAD_BUFFER_BUDGET, WRITE_BATCH, Core
 from buildvault.storage.disk.index import Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key
 from buildvault.storage.disk.records import held
@@ -36,6 +37,12 @@ class Writer:
 
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.receiving = 0  # streamed uploads in _receive now
+
+    def batch_size(self) -> int:
+        """The batch of a streamed upload now: its share of UPLOAD_BUFFER_BUDGET (three batches each)."""
+        share = UPLOAD_BUFFER_BUDGET // (3 * max(1, self.receiving))
+        return max(MIN_WRITE_BATCH, min(WRITE_BATCH, share))
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
         core = self.core
@@ -145,6 +152,7 @@ class Writer:
         hashed: concurrent.futures.Future[Any] | None = None  # -> the joined bytes of the batch
         written: concurrent.futures.Future[Any] | None = None
         pending: concurrent.futures.Future[Any] | None = None
+        self.receiving += 1
         try:
             if isinstance(chunks, bytes):
                 parts = [chunks]
@@ -159,12 +167,13 @@ class Writer:
                         raise DigestMismatch(f"blob {what}: more than the declared {size} bytes")
                     parts.append(chunk)
                     buffered += n
-                    if buffered >= WRITE_BATCH:
+                    if buffered >= self.batch_size():
                         if hashed is not None:
                             data = await _wait_io(hashed, what)
                             if written is not None:
                                 await _wait_io(written, what)
                             written = executor.submit(temp.append, data)
+                            data = b""  # the write holds the batch until it is done, then nothing does
                         hashed = executor.submit(temp.digest_part, parts)
                         parts, buffered = [], 0
                 if total != size:
@@ -192,6 +201,8 @@ class Writer:
             pending = hashed = written = None
             parts, data = [], b""
             raise
+        finally:
+            self.receiving -= 1
 
     async def _publish(self, key: bytes, temp: str, size: int, reservation: Reservation, *, replace: bool) -> None:
         """Rename a verified temp file into place and index it; owns `temp` and `reservation`."""
