@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from launcher_harness import LauncherEnv, Toolchain, launcher_command, read_events, stop_agent
+from launcher_harness import LauncherEnv, Toolchain, flush, launcher_command, read_events, stop_agent
 from test_launcher_live import Tree, real_compiles
 
 WARNS = '#include "v.h"\nint f() { int unused = V; return 0; }\n'
@@ -33,19 +33,21 @@ def _compile(tree: Tree, launcher: str, env: dict[str, str] | None = None,
     return subprocess.run(argv, cwd=tree.build, env=env or tree.env, capture_output=True, timeout=120)
 
 
-def _flush(env: dict[str, str]) -> None:
-    subprocess.run([launcher_command(), "--flush"], env=env, capture_output=True, timeout=180)
+@pytest.fixture
+def logged(server, env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain) -> tuple[Tree, Path]:
+    """A tree compiled through an agent of the live server, and its event log."""
+    events = tmp_path / "events.jsonl"
+    env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))
+    return Tree(tmp_path / "a", toolchain, env, WARNS), events
 
 
 def test_native_launcher_serves_hits_and_hands_misses_to_buildvault_cc(
-    server, env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain, native: str
+    logged: tuple[Tree, Path], toolchain: Toolchain, native: str
 ) -> None:
-    events = tmp_path / "events.jsonl"
-    env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))
-    tree = Tree(tmp_path / "a", toolchain, env, WARNS)
+    tree, events = logged
 
     miss = _compile(tree, native)  # no agent yet: buildvault-cc starts it, compiles, stores
-    _flush(tree.env)
+    flush(tree.env)
     assert miss.returncode == 0 and b"unused" in miss.stderr, miss.stderr
     assert real_compiles(toolchain) == 1
     stored, stored_deps = tree.obj(), (tree.build / "a.o.d").read_bytes()
@@ -63,24 +65,22 @@ def test_native_launcher_serves_hits_and_hands_misses_to_buildvault_cc(
 
     (tree.root / "inc" / "v.h").write_text("#define V 2\n")  # a changed header: a miss again
     changed = _compile(tree, native)
-    _flush(tree.env)
+    flush(tree.env)
     assert changed.returncode == 0 and real_compiles(toolchain) == 1
     assert read_events(events)[-1]["status"] == "MISS"
 
 
 def test_native_launcher_hits_what_buildvault_cc_stored_in_any_locale(
-    server, env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain, native: str
+    logged: tuple[Tree, Path], toolchain: Toolchain, native: str
 ) -> None:
     """Python's start-up sets LC_CTYPE in a C locale (PEP 538) and LC_CTYPE is in the key: the
     native launcher sends the environment buildvault-cc would, or it would never hit there."""
-    events = tmp_path / "events.jsonl"
-    env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))
-    tree = Tree(tmp_path / "a", toolchain, env, WARNS)
+    tree, events = logged
     plain = {k: v for k, v in tree.env.items() if k not in ("LANG", "LC_ALL", "LC_CTYPE", "LANGUAGE")}
     for lc_ctype in (None, "C", "POSIX", "C.utf8", "C.UTF-8"):
         locale_env = plain if lc_ctype is None else {**plain, "LC_CTYPE": lc_ctype}
         assert _compile(tree, launcher_command(), locale_env).returncode == 0
-        _flush(locale_env)
+        flush(locale_env)
         toolchain.take()
         (tree.build / "a.o").unlink()
         assert _compile(tree, native, locale_env).returncode == 0
@@ -89,13 +89,11 @@ def test_native_launcher_hits_what_buildvault_cc_stored_in_any_locale(
 
 
 def test_native_launcher_hands_options_and_odd_input_to_buildvault_cc(
-    server, env_factory: Callable[..., LauncherEnv], tmp_path: Path, toolchain: Toolchain, native: str
+    logged: tuple[Tree, Path], toolchain: Toolchain, native: str
 ) -> None:
-    events = tmp_path / "events.jsonl"
-    env = env_factory(server, BUILDVAULT_EVENT_LOG=str(events))
-    tree = Tree(tmp_path / "a", toolchain, env, WARNS)
+    tree, events = logged
     assert _compile(tree, native).returncode == 0
-    _flush(tree.env)
+    flush(tree.env)
     assert real_compiles(toolchain) == 1
     status = subprocess.run([native, "--agent-status"], env=tree.env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and '"op":"pong"' in status.stdout.replace(" ", "")
