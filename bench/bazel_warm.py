@@ -9,6 +9,7 @@ A warm build passes only if Bazel executed nothing (every cacheable spawn a hit)
 binary it fetched prints the expected line.
 
     python bench/bazel_warm.py --libs 60 --reps 3     # buildvault vs --disk_cache (+ BuildGrid)
+    python bench/bazel_warm.py --floor                # + a remote cache that is a dict in memory
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--libs", type=int, default=60)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--buildgrid", action="store_true", help="also time the build through BuildGrid")
+    parser.add_argument("--floor", action="store_true",
+                        help="also via bench/floor_server.py (grpc.aio, a dict in memory): the floor")  # fmt: skip
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="buildvault-bazel-warm-"))
     started: list[servers.Server] = []
@@ -151,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             bg = servers.start_buildgrid(workdir / "bg-data", workdir / "bg.log")
             started.append(bg)
             backends["buildgrid"] = {"remote_cache": f"grpc://{bg.address}"}
+        if args.floor:
+            floor = servers.start_floor("aio", workdir / "floor.log")
+            started.append(floor)
+            backends["floor-aio"] = {"remote_cache": f"grpc://{floor.address}"}
         figures = run(backends, workdir, args.libs, args.reps, log=lambda m: print(m, file=sys.stderr))
         print(json.dumps(figures, indent=1, default=str))
         return 0

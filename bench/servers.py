@@ -106,6 +106,20 @@ def start_buildvault(
     raise ServerError(f"buildvault not ready after {timeout:.0f} s:\n{server.log_tail()}")
 
 
+def start_floor(mode: str, log_path: Path, timeout: float = 30.0) -> Server:
+    """bench/floor_server.py: the call shapes answered from memory, on grpc.aio or the thread-pool server."""
+    port = free_port()
+    argv = [sys.executable, str(BENCH / "floor_server.py"), "--mode", mode, "--port", str(port)]
+    process = _spawn(argv, log_path, ROOT)
+    server = Server(f"floor-{mode}", f"127.0.0.1:{port}", process, log_path, log_path.parent)
+    try:
+        wait_grpc_ready(server.address, timeout, process)
+    except ServerError:
+        stop(server)
+        raise
+    return server
+
+
 # Fake credentials for the S3 test server (moto accepts any); no profile or metadata lookups.
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
