@@ -36,6 +36,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.harness import memory_kib
 from bench.servers import start_buildvault, stop
 from buildvault.config import parse_size
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
@@ -45,9 +46,7 @@ CHUNK = 64 << 10
 
 def memory_mib(pid: int) -> tuple[int, int]:
     """(VmRSS, VmRSS less RssFile) of a process, MiB."""
-    with open(f"/proc/{pid}/status") as status:
-        fields = dict(line.split(":", 1) for line in status)
-    rss, file_pages = int(fields["VmRSS"].split()[0]), int(fields["RssFile"].split()[0])
+    rss, file_pages, _ = memory_kib(pid)
     return rss // 1024, (rss - file_pages) // 1024
 
 

@@ -27,15 +27,21 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from buildvault.digest import Digest
-from buildvault.storage.disk import DiskStorage, records
-from buildvault.storage.disk.layout import cas_key
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness import memory_kib  # noqa: E402
+from buildvault.digest import Digest  # noqa: E402
+from buildvault.storage.disk import DiskStorage, records  # noqa: E402
+from buildvault.storage.disk.layout import cas_key  # noqa: E402
 
 
 def create_blobs(root: Path, count: int, write: bool = True) -> list[Digest]:
@@ -82,8 +88,9 @@ async def create_records(root: Path, count: int) -> list[Digest]:
 
 
 def anonymous_rss() -> int:
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return (int(fields["VmRSS"].split()[0]) - int(fields["RssFile"].split()[0])) * 1024
+    """This process's resident memory less file-backed pages (LMDB's map), bytes."""
+    rss, file_pages, _ = memory_kib(os.getpid())
+    return (rss - file_pages) * 1024
 
 
 async def timed_open(root: Path, max_size: int) -> tuple[DiskStorage, float]:

@@ -212,22 +212,20 @@ def describe(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _status_kib(pid: int) -> tuple[int, int]:
-    """(resident memory less file-backed pages, VmHWM) in KiB. File pages (mapped libraries, an
-    LMDB data file) are page cache the kernel drops under pressure, not the server's own memory."""
-    rss = file = hwm = 0
+def memory_kib(pid: int) -> tuple[int, int, int]:
+    """(VmRSS, RssFile, VmHWM) of a process in KiB; zeros once it is gone. File pages (mapped
+    libraries, an LMDB data file) are page cache the kernel drops under pressure, not the
+    process's own memory: the benchmarks report VmRSS less RssFile."""
+    fields = {"VmRSS:": 0, "RssFile:": 0, "VmHWM:": 0}
     try:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
             for line in handle:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("RssFile:"):
-                    file = int(line.split()[1])
-                elif line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1])
+                words = line.split()  # "VmRSS:", "1234", "kB"
+                if words and words[0] in fields:
+                    fields[words[0]] = int(words[1])
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
-    return rss - file, hwm
+    return fields["VmRSS:"], fields["RssFile:"], fields["VmHWM:"]
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -260,8 +258,8 @@ class RssSampler(threading.Thread):
     def sample(self) -> None:
         total_rss = total_hwm = 0
         for pid in _process_tree(self.pid):
-            rss, hwm = _status_kib(pid)
-            total_rss += rss
+            rss, file_pages, hwm = memory_kib(pid)
+            total_rss += rss - file_pages
             total_hwm += hwm
         with self._lock:
             self.samples.append((time.monotonic(), total_rss))
