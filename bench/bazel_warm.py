@@ -10,6 +10,7 @@ binary it fetched prints the expected line.
 
     python bench/bazel_warm.py --libs 60 --reps 3     # buildvault vs --disk_cache (+ BuildGrid)
     python bench/bazel_warm.py --floor                # + a remote cache that is a dict in memory
+    python bench/bazel_warm.py --cold-reps 3 --reps 1 # the cold build three times (fresh sources each)
 """
 
 from __future__ import annotations
@@ -77,39 +78,54 @@ def make_template(template: Path, dest: Path, libs: int, nonce: int) -> None:
 
 
 def run(
-    backends: dict[str, dict[str, Any]], workdir: Path, libs: int = 60, reps: int = 3, log=print
+    backends: dict[str, dict[str, Any]], workdir: Path, libs: int = 60, reps: int = 3, log=print, cold_reps: int = 1
 ) -> dict[str, Any]:
-    """backends: name -> {"remote_cache": "grpc://..."} or {"disk_cache": Path}. Returns the figures."""
+    """backends: name -> {"remote_cache": "grpc://..."} or {"disk_cache": Path}. Returns the figures.
+
+    Each of `cold_reps` cold rounds builds fresh sources (a new nonce) in fresh workspaces with
+    `--action_env=BENCH_ROUND=N`, so every action is new to every cache (the workspace's own
+    targets do not see the nonce), the backends in rotated order; the warm builds use the last
+    round's."""
     from bazel_harness import BazelWorkspace  # tests/e2e: real Bazel driver
 
-    nonce = int.from_bytes(os.urandom(3), "big") % 100000
-    template = workdir / "template"
-    make_template(servers.ROOT / "tests" / "e2e" / "bazel_workspace", template, libs, nonce)
-    want_line = f"bench-gen: libs={libs} sum={expected_sum(libs, nonce)}"
     names = list(backends)
-    workspaces = {name: BazelWorkspace(workdir / name.replace("/", "_"), template=template) for name in names}
-    figures: dict[str, Any] = {name: {"warm_s": [], "cold_s": None} for name in names}
+    figures: dict[str, Any] = {name: {"warm_s": [], "cold_runs_s": []} for name in names}
+    workspaces: dict[str, Any] = {}
     try:
         spawns = None
-        for name in names:
-            start = time.perf_counter()
-            result = workspaces[name].build(**backends[name])
-            figures[name]["cold_s"] = time.perf_counter() - start
-            result.check()
-            executed = result.processes.executed if result.processes else None
-            processes = result.processes.line if result.processes else "?"
-            log(f"bazel cold build via {name}: {figures[name]['cold_s']:.1f} s, {processes}")
-            if spawns is None:
-                spawns = executed
-            elif executed != spawns:
-                raise AssertionError(f"cold build via {name} executed {executed} spawns, expected {spawns}")
+        round_flag = ""
+        for cold_rep in range(cold_reps):
+            round_flag = f"--action_env=BENCH_ROUND={cold_rep}"
+            for ws in workspaces.values():
+                ws.shutdown()
+            nonce = int.from_bytes(os.urandom(3), "big") % 100000
+            template = workdir / f"template-{cold_rep}"
+            make_template(servers.ROOT / "tests" / "e2e" / "bazel_workspace", template, libs, nonce)
+            want_line = f"bench-gen: libs={libs} sum={expected_sum(libs, nonce)}"
+            workspaces = {
+                name: BazelWorkspace(workdir / f"{cold_rep}-{name.replace('/', '_')}", template=template)
+                for name in names
+            }
+            for name in names[cold_rep % len(names) :] + names[: cold_rep % len(names)]:
+                start = time.perf_counter()
+                result = workspaces[name].build(round_flag, **backends[name])
+                elapsed = time.perf_counter() - start
+                result.check()
+                figures[name]["cold_runs_s"].append(elapsed)
+                executed = result.processes.executed if result.processes else None
+                processes = result.processes.line if result.processes else "?"
+                log(f"bazel cold build {cold_rep + 1}/{cold_reps} via {name}: {elapsed:.1f} s, {processes}")
+                if spawns is None:
+                    spawns = executed
+                elif executed != spawns:
+                    raise AssertionError(f"cold build via {name} executed {executed} spawns, expected {spawns}")
         for rep in range(reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
                 ws = workspaces[name]
                 ws.clean()
                 start = time.perf_counter()
-                result = ws.build(**backends[name])
+                result = ws.build(round_flag, **backends[name])
                 elapsed = time.perf_counter() - start
                 result.check()
                 summary = result.processes
@@ -128,8 +144,9 @@ def run(
             with contextlib.suppress(Exception):
                 ws.shutdown()
     for name in names:
-        warm = figures[name]["warm_s"]
+        warm, cold = figures[name]["warm_s"], figures[name]["cold_runs_s"]
         figures[name]["warm_median_s"] = statistics.median(warm) if warm else None
+        figures[name]["cold_s"] = statistics.median(cold) if cold else None  # the median cold build
     return {"libs": libs, "cacheable_spawns": spawns, "reps": reps, "backends": figures}
 
 
@@ -137,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--libs", type=int, default=60)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--cold-reps", type=int, default=1, help="cold builds per backend, each of fresh sources")
     parser.add_argument("--buildgrid", action="store_true", help="also time the build through BuildGrid")
     parser.add_argument("--floor", action="store_true",
                         help="also via bench/floor_server.py (grpc.aio, a dict in memory): the floor")  # fmt: skip
@@ -158,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             floor = servers.start_floor("aio", workdir / "floor.log")
             started.append(floor)
             backends["floor-aio"] = {"remote_cache": f"grpc://{floor.address}"}
-        figures = run(backends, workdir, args.libs, args.reps, log=lambda m: print(m, file=sys.stderr))
+        figures = run(
+            backends, workdir, args.libs, args.reps, log=lambda m: print(m, file=sys.stderr), cold_reps=args.cold_reps
+        )
         print(json.dumps(figures, indent=1, default=str))
         return 0
     finally:
