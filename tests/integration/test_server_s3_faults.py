@@ -163,7 +163,8 @@ async def test_corrupt_object_in_bucket_is_never_served(s3, buildvault_server_fa
         s3_client.put_object(Bucket=bucket, Key=key, Body=body)
     # An action entry rotted in place: same checksum metadata, other bytes.
     original = s3_client.get_object(Bucket=bucket, Key=ac_key(action))
-    s3_client.put_object(Bucket=bucket, Key=ac_key(action), Body=original["Body"].read()[:-1] + b"\x00",
+    body = original["Body"].read()
+    s3_client.put_object(Bucket=bucket, Key=ac_key(action), Body=body[:-1] + bytes([body[-1] ^ 1]),
                          Metadata=original["Metadata"])  # fmt: skip
 
     consumer = start_tier_server(buildvault_server_factory, "consumer", s3, bucket)  # empty disk
