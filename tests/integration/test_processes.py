@@ -220,8 +220,9 @@ async def test_error_codes_are_those_of_one_process(buildvault_server_factory, p
             assert await code_of(get_absent) == grpc.StatusCode.NOT_FOUND
             bad = re_pb2.FindMissingBlobsRequest(blob_digests=[re_pb2.Digest(hash="zz", size_bytes=1)])
             assert await code_of(stubs.cas.FindMissingBlobs(bad)) == grpc.StatusCode.INVALID_ARGUMENT
+            flipped = data[:-1] + bytes([data[-1] ^ 1])
             wrong = re_pb2.BatchUpdateBlobsRequest(
-                requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=digest(data), data=data[:-1] + bytes([data[-1] ^ 1]))]
+                requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=digest(data), data=flipped)]
             )
             reply = await stubs.cas.BatchUpdateBlobs(wrong)
             assert reply.responses[0].status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
