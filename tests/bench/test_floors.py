@@ -37,3 +37,5 @@ def test_floors_quick_run_verifies_every_server() -> None:
     assert "FAILED" not in proc.stderr, proc.stderr[-4000:]
     for figure in ("SHA-256, one thread, 4 KiB buffers", "write 4 KiB + fdatasync, median"):
         assert re.search(rf"\| {re.escape(figure)} \| [0-9.,]+ (MB/s|ms) \|", proc.stdout), proc.stdout
+    page_cache = re.search(r"\| write\(\) 512 MiB into the page cache[^|]*\| ([0-9,]+) / ([0-9,]+) MiB/s", proc.stdout)
+    assert page_cache and all(float(g.replace(",", "")) > 0 for g in page_cache.groups()), proc.stdout
