@@ -399,12 +399,22 @@ class Metrics:
         r.register(_ExecutionCollector(self))
         # Plain tallies for /status (reading Counter values back is not public API).
         self._hits = {"grpc": 0, "http": 0}
+        # (protocol, method, kind, status) -> its counter and histogram children; the labels come
+        # from fixed sets, so this stays small.
+        self._request_children: dict[tuple[str, str, str, str | int], tuple[Any, Any]] = {}
         self._misses = {"grpc": 0, "http": 0}
 
     # -- recording ---------------------------------------------------------------------------
     def observe_request(self, protocol: str, method: str, kind: str, status: str | int, seconds: float) -> None:
-        self.requests.labels(protocol, method, kind, str(status)).inc()
-        self.request_seconds.labels(protocol, method, kind).observe(max(seconds, 0.0))
+        key = (protocol, method, kind, status)
+        children = self._request_children.get(key)
+        if children is None:  # labels() takes a lock and builds its key: look each set up once
+            children = self.requests.labels(protocol, method, kind, str(status)), self.request_seconds.labels(
+                protocol, method, kind
+            )
+            self._request_children[key] = children
+        children[0].inc()
+        children[1].observe(max(seconds, 0.0))
 
     def ac_lookup(self, protocol: str, hit: bool) -> None:
         if hit:

@@ -84,12 +84,26 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
+        # full method -> (the handler, its wrapped copy): the services' handlers are the same objects
+        # call after call, so each is wrapped once, not per call (a later interceptor's per-call
+        # handler just replaces the entry).
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method, kind = grpc_labels(handler_call_details.method)
+        full_method = handler_call_details.method
+        known = self._wrapped.get(full_method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = self._wrap(handler, full_method)
+        if len(self._wrapped) < 256 or full_method in self._wrapped:  # a bounded set: unknown names add none
+            self._wrapped[full_method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler: Any, full_method: str) -> Any:
+        method, kind = grpc_labels(full_method)
         for name, wrap in _WRAPPERS:
             behaviour = getattr(handler, name)
             if behaviour is not None:
