@@ -37,7 +37,7 @@ _banner_log = logging.getLogger(BANNER_LOGGER)
 _fields: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "buildvault_request_fields", default=None
 )
-# Who the current gRPC call is (set by the auth interceptor before the service runs; never a secret).
+# Who the current gRPC call is (set by the auth check before the service runs; never a secret).
 _principal: contextvars.ContextVar[str | None] = contextvars.ContextVar("buildvault_principal", default=None)
 
 

@@ -2,7 +2,7 @@
 
 A `Metrics` object owns its own `CollectorRegistry` (never the process-global default), so two
 servers in one process (tests) keep separate counts. The app creates one, hands it to the HTTP
-app and to the gRPC server (through server/grpc/metrics_interceptor.py), and serves
+app and to the gRPC server (through server/grpc/request_metrics.py), and serves
 `Metrics.render()` at `/metrics` on the HTTP port.
 
 Label values come from small fixed sets only: protocol (`grpc`, `http`), method (a known HTTP
@@ -21,7 +21,7 @@ by tier and operation, blob bytes read and written, action-entry lookups by resu
 tier names of storage/build.py (`client`, `local`, `object_store`; without a bucket only
 `client`, which is then the disk store). The client tier's bytes are
 also the per-protocol `cas_read_bytes` / `cas_written_bytes` of the front end that set
-`REQUEST_PROTOCOL` (the gRPC interceptor does).
+`REQUEST_PROTOCOL` (the gRPC request wrapper does).
 """
 
 from __future__ import annotations

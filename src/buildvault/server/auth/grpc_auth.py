@@ -1,6 +1,5 @@
-"""The gRPC side of access control: a `grpc.aio.ServerInterceptor` in front of every service.
-
-The interceptor wraps each method's handler, so the check runs with the request in hand: the
+"""The gRPC side of access control: a check in front of every method handler, wrapped on when it
+is registered (server/grpc/registration.py), so the check runs with the request in hand: the
 instance name comes from the request (`instance_name`, or the ByteStream resource name; for
 Write, the first message), the principal from the `authorization` metadata entry or the
 client certificate's CN. A refusal ends the call with UNAUTHENTICATED or PERMISSION_DENIED
@@ -25,7 +24,7 @@ from buildvault.server.auth.grants import Permission
 from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
 
-__all__ = ["AuthInterceptor", "rule_of"]
+__all__ = ["checked", "rule_of"]
 
 _RE = "/build.bazel.remote.execution.v2."
 _BS = "/google.bytestream.ByteStream/"
@@ -95,39 +94,19 @@ def _cert_cn(context: Context) -> str | None:
         return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Checks every call against `auth.policy` (read at each call, so a reload applies at once)."""
-
-    def __init__(self, auth: Auth) -> None:
-        self._auth = auth
-        # method -> (the service's handler, its checked form): wrap each handler once, not per call.
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
-
-    async def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(method, handler)
-        if len(self._wrapped) < 256:  # method names are the client's: keep the memo bounded
-            self._wrapped[method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, method: str, handler: Any) -> Any:
-        rule = rule_of(method)
-        if rule is None:
-            return handler
-        check = _Check(self._auth, method, rule)
-        if handler.unary_unary is not None:
-            return handler._replace(unary_unary=check.unary(handler.unary_unary))
-        if handler.unary_stream is not None:
-            return handler._replace(unary_stream=check.unary_stream(handler.unary_stream))
-        if handler.stream_unary is not None:
-            return handler._replace(stream_unary=check.stream_unary(handler.stream_unary))
-        return handler._replace(stream_stream=check.stream_stream(handler.stream_stream))
+def checked(auth: Auth, method: str, handler: Any) -> Any:
+    """`handler` behind the check of `method`'s rule (unchanged for a method without one)."""
+    rule = rule_of(method)
+    if rule is None:
+        return handler
+    check = _Check(auth, method, rule)
+    if handler.unary_unary is not None:
+        return handler._replace(unary_unary=check.unary(handler.unary_unary))
+    if handler.unary_stream is not None:
+        return handler._replace(unary_stream=check.unary_stream(handler.unary_stream))
+    if handler.stream_unary is not None:
+        return handler._replace(stream_unary=check.stream_unary(handler.stream_unary))
+    return handler._replace(stream_stream=check.stream_stream(handler.stream_stream))
 
 
 class _Check:

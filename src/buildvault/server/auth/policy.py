@@ -1,4 +1,4 @@
-"""The one rule engine: the gRPC interceptor and the HTTP middleware both ask `Policy`.
+"""The one rule engine: the gRPC check and the HTTP middleware both ask `Policy`.
 
     principal = await policy.authenticate(authorization, cert_cn)   # None: no credential sent
     policy.authorize(principal, Permission.WRITE, "team-a")         # or raises Refusal

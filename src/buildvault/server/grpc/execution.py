@@ -19,6 +19,7 @@ from buildvault.execution.runtime import ExecutionRuntime
 from buildvault.remote_apis import re_pb2
 from buildvault.server import errors
 from buildvault.server.grpc import rpc
+from buildvault.server.grpc.registration import WrappingServer
 
 LOOPBACK_ONLY = (
     "execution runs arbitrary commands, so it is served only on loopback listeners; "
@@ -81,7 +82,7 @@ class ExecutionService:
 
 
 def add_execution_services(
-    server: grpc.aio.Server, runtime: ExecutionRuntime, listener_address: str, *, access_controlled: bool = False
+    server: WrappingServer, runtime: ExecutionRuntime, listener_address: str, *, access_controlled: bool = False
 ) -> None:
     """Register Execution and Operations for `runtime` on a listener bound to `listener_address`."""
     from google.longrunning import operations_pb2_grpc  # type: ignore[import-untyped]

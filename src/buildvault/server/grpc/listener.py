@@ -9,7 +9,7 @@ import grpc
 
 from buildvault.execution.executor import PRIORITY_RANGE
 from buildvault.remote_apis import bs_grpc, re_grpc
-from buildvault.server.auth.grpc_auth import AuthInterceptor
+from buildvault.server.auth.grpc_auth import checked
 from buildvault.server.auth.health import add_health_service
 from buildvault.server.auth.tls import TlsError
 from buildvault.server.grpc import server_options
@@ -18,13 +18,14 @@ from buildvault.server.grpc.bytestream import ByteStreamService
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
 from buildvault.server.grpc.execution import add_execution_services
-from buildvault.server.grpc.metrics_interceptor import MetricsInterceptor
+from buildvault.server.grpc.registration import WrappingServer
+from buildvault.server.grpc.request_metrics import metered
 from buildvault.server.services import Services, StartupError, format_address
 
 __all__ = ["GrpcListener"]
 
 # The generated `add_*_to_server` functions carry no annotations: typed here, once.
-_Register = Callable[[Any, grpc.aio.Server], None]
+_Register = Callable[[Any, WrappingServer], None]
 _add_capabilities: _Register = re_grpc.add_CapabilitiesServicer_to_server
 _add_cas: _Register = re_grpc.add_ContentAddressableStorageServicer_to_server
 _add_action_cache: _Register = re_grpc.add_ActionCacheServicer_to_server
@@ -59,11 +60,16 @@ class GrpcListener:
 
     async def start(self) -> None:
         s = self.services
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(s.metrics)]
-        auth = s.auth
-        if auth is not None and auth.enabled:  # after metrics, so refusals count as requests too
-            interceptors.append(AuthInterceptor(auth))
-        server = grpc.aio.server(options=server_options(self.reuseport), interceptors=interceptors)
+        metrics, auth = s.metrics, s.auth
+        checking = auth if auth is not None and auth.enabled else None
+
+        def wrap(method: str, handler: Any) -> Any:
+            if checking is not None:
+                handler = checked(checking, method, handler)
+            return metered(metrics, method, handler)  # outside the check: refusals count as requests too
+
+        grpc_server = grpc.aio.server(options=server_options(self.reuseport))
+        server = WrappingServer(grpc_server, wrap)
         # Remote execution: Capabilities advertise it where it is served; Execution + Operations serve it.
         execution = s.execution
         controlled = auth is not None and auth.enabled
@@ -79,17 +85,17 @@ class GrpcListener:
         host, _, _ = self.requested.rpartition(":")
         try:
             if auth is not None and auth.tls is not None:
-                port = server.add_secure_port(self.requested, auth.tls.grpc_credentials())
+                port = grpc_server.add_secure_port(self.requested, auth.tls.grpc_credentials())
             else:
-                port = server.add_insecure_port(self.requested)
+                port = grpc_server.add_insecure_port(self.requested)
         except TlsError as e:
             raise StartupError(str(e)) from None
         except RuntimeError as e:
             raise StartupError(f"cannot listen on {self.requested} (gRPC): {e}") from None
         if not port:
             raise StartupError(f"cannot listen on {self.requested} (gRPC)")
-        await server.start()
-        self._server = server
+        await grpc_server.start()
+        self._server = grpc_server
         self._address = format_address(host, port)
 
     async def stop(self, grace: float) -> None:

@@ -1,7 +1,8 @@
-"""The gRPC side of the request metrics: an interceptor that times every RPC and records its status.
+"""The gRPC side of the request metrics: a wrapper on every method handler (server/grpc/registration.py)
+that times each RPC and records its status.
 
 Metrics are defined in server/metrics.py; this module only feeds them. Blob bytes are not
-counted here but at the store boundary (storage.metrics), under the protocol this interceptor
+counted here but at the store boundary (storage.metrics), under the protocol this wrapper
 names in REQUEST_PROTOCOL.
 """
 
@@ -17,7 +18,7 @@ import grpc
 from buildvault.server.metrics import GRPC_METHODS, GRPC_SERVICES, Metrics
 from buildvault.storage.metrics import REQUEST_PROTOCOL
 
-__all__ = ["MetricsInterceptor", "grpc_labels"]
+__all__ = ["grpc_labels", "metered"]
 
 _GRPC_CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -78,37 +79,15 @@ def _error_code(context: Any, error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times every RPC and its status (GetActionResult's: AC hits and misses); names the
-    protocol for the store's byte counts (no message is parsed here)."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-        # full method -> (the handler, its wrapped copy): the services' handlers are the same objects
-        # call after call, so each is wrapped once, not per call (a later interceptor's per-call
-        # handler just replaces the entry).
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
-
-    async def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        full_method = handler_call_details.method
-        known = self._wrapped.get(full_method)
-        if known is not None and known[0] is handler:
-            return known[1]
-        wrapped = self._wrap(handler, full_method)
-        if len(self._wrapped) < 256 or full_method in self._wrapped:  # a bounded set: unknown names add none
-            self._wrapped[full_method] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, handler: Any, full_method: str) -> Any:
-        method, kind = grpc_labels(full_method)
-        for name, wrap in _WRAPPERS:
-            behaviour = getattr(handler, name)
-            if behaviour is not None:
-                return _replace(handler, **{name: wrap(behaviour, self._metrics, method, kind)})
-        return handler
+def metered(metrics: Metrics, full_method: str, handler: Any) -> Any:
+    """`handler` counted and timed with its status (GetActionResult's: AC hits and misses), and the
+    protocol named for the store's byte counts (no message is parsed here)."""
+    method, kind = grpc_labels(full_method)
+    for name, wrap in _WRAPPERS:
+        behaviour = getattr(handler, name)
+        if behaviour is not None:
+            return _replace(handler, **{name: wrap(behaviour, metrics, method, kind)})
+    return handler
 
 
 def _replace(handler: Any, **behaviour: Any) -> Any:
