@@ -86,28 +86,14 @@ def metered(metrics: Metrics, full_method: str, handler: Any) -> Any:
     for name, wrap in _WRAPPERS:
         behaviour = getattr(handler, name)
         if behaviour is not None:
-            return _replace(handler, **{name: wrap(behaviour, metrics, method, kind)})
+            return handler._replace(**{name: wrap(behaviour, metrics, method, kind)})
     return handler
-
-
-def _replace(handler: Any, **behaviour: Any) -> Any:
-    if hasattr(handler, "_replace"):
-        return handler._replace(**behaviour)
-    (name, fn), = behaviour.items()  # fmt: skip
-    factory = {
-        "unary_unary": grpc.unary_unary_rpc_method_handler,
-        "unary_stream": grpc.unary_stream_rpc_method_handler,
-        "stream_unary": grpc.stream_unary_rpc_method_handler,
-        "stream_stream": grpc.stream_stream_rpc_method_handler,
-    }[name]
-    return factory(fn, request_deserializer=handler.request_deserializer,
-                   response_serializer=handler.response_serializer)  # fmt: skip
 
 
 def _wrap_unary_response(
     behaviour: Callable[..., Any], metrics: Metrics, method: str, kind: str
 ) -> Callable[..., Any]:
-    """unary_unary and stream_unary handlers."""
+    """unary_unary and stream_unary handlers, and streaming ones that write to the context."""
 
     async def wrapper(request: Any, context: Any) -> Any:
         call = _Call(metrics, method, kind)
@@ -143,17 +129,7 @@ def _wrap_stream_response(
 
         return generator
 
-    async def coroutine(request: Any, context: Any) -> Any:
-        call = _Call(metrics, method, kind)
-        try:
-            result = await behaviour(request, context)
-        except BaseException as e:
-            call.finish(_error_code(context, e))
-            raise
-        call.finish(_code_of(context, grpc.StatusCode.OK))
-        return result
-
-    return coroutine
+    return _wrap_unary_response(behaviour, metrics, method, kind)
 
 
 # The handler attribute and the wrapper for it.
