@@ -89,7 +89,8 @@ class Upload:
         self.attached = False  # a Write handler is waiting on this upload
         self.finishing = False
         self.early = False  # the store had the blob before this upload sent everything
-        self._stream: tuple[bs_pb2.WriteRequest, AsyncIterator[bs_pb2.WriteRequest]] | None = None
+        self._stream: AsyncIterator[bs_pb2.WriteRequest] | None = None
+        self._first: bs_pb2.WriteRequest | None = None  # the attached stream's first request, until taken
         self._outcome: asyncio.Future[object] | None = None
         self._waiter: asyncio.Future[object] | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -105,8 +106,9 @@ class Upload:
             while self._stream is None:
                 self._waiter = loop.create_future()
                 await self._waiter
-            stream = self._stream
-            request, iterator = stream
+            iterator = self._stream
+            request, self._first = self._first, None
+            assert request is not None
             outcome = self._outcome
             try:
                 while True:
@@ -116,11 +118,13 @@ class Upload:
                         raise errors.InvalidArgument(
                             f"write_offset {request.write_offset} does not match the committed size {self.committed}"
                         )
-                    data = request.data
+                    data = request.data  # a copy: drop the request so the chunk is not held twice
+                    finish = request.finish_write
+                    del request
                     if data:
                         self.committed += len(data)
                         yield data
-                    if request.finish_write:
+                    if finish:
                         self.finishing = True
                         _settle(outcome, FINISHED)
                         return
@@ -133,7 +137,7 @@ class Upload:
                         raise StopAsyncIteration from None
             except StopAsyncIteration:
                 # Closed without finish_write, or broken (a vanished client looks the same here).
-                if self._stream is stream:
+                if self._stream is iterator:
                     self._stream = None
                 _settle(outcome, CLOSED)
             except errors.RequestError as e:
@@ -169,7 +173,8 @@ class Upload:
         self.manager._resumable.pop(self.key, None)
         self.attached = True
         self._outcome = asyncio.get_running_loop().create_future()
-        self._stream = (first, iterator)
+        self._stream = iterator
+        self._first = first
         _settle(self._waiter)
         return self._outcome
 
@@ -355,6 +360,7 @@ class ByteStreamService:
             upload = self.uploads.start(key, resource, name)
 
         outcome = upload.attach(first, iterator)
+        del first  # the upload holds it until its source takes it
         try:
             result = await outcome
             if result == FINISHED:
