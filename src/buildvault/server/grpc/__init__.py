@@ -37,8 +37,6 @@ MAX_BATCH_TOTAL_SIZE = (4 << 20) - (64 << 10)
 MAX_MESSAGE_SIZE = MAX_BATCH_TOTAL_SIZE + (4 << 20)
 # ByteStream.Read chunk size.
 READ_CHUNK_SIZE = 1 << 20
-# The HTTP/2 receive window of each stream (see server_options).
-STREAM_WINDOW_BYTES = 1 << 20
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 # The servicer context every handler receives (its request/response types do not matter here).
@@ -58,10 +56,11 @@ def server_options(reuseport: bool = False) -> list[tuple[str, Any]]:
         ("grpc.http2.max_ping_strikes", 0),
         # A fixed 1 MiB receive window per stream instead of bandwidth-delay probing, whose windows
         # grow per stream with nothing bounding their sum (Python cannot give gRPC a memory quota):
-        # under 100 uploads at once the chunks received but not yet read held ~270 MiB. 1 MiB
-        # keeps single-stream writes as fast as probing (bench/RESULTS.md, "receive windows").
+        # under ~100 uploads at once the chunks received but not yet read held ~270 MiB. Probing
+        # off with the default 64 KiB window was ~0.7x on streamed writes; 1 MiB measured close to
+        # probing, not yet settled (bench/RESULTS.md, "Receive windows and chunks held twice").
         ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ("grpc.http2.lookahead_bytes", 1 << 20),
     ]
 
 
