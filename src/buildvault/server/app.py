@@ -27,6 +27,7 @@ from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import DEFAULT_UPLOAD_GRACE, Uploads
 from buildvault.server.grpc.listener import GrpcListener
+from buildvault.server.heap_trim import HeapTrimmer
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
 from buildvault.server.pins import PinningActionStore, PinRegistry, PinWatcher
@@ -76,6 +77,7 @@ class App:
         self.processes = 1
         self.store_server: StoreServer | None = None
         self.secondaries: Secondaries | None = None
+        self.heap_trimmer = HeapTrimmer()
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -136,6 +138,7 @@ class App:
         except BaseException:
             await self.stop(grace=0)
             raise
+        self.heap_trimmer.start()
         self.started_at = time.time()
         self._banner()
 
@@ -160,6 +163,7 @@ class App:
 
     async def stop(self, grace: float = 10.0) -> None:
         """Stop accepting, give in-flight requests `grace` seconds, abort unfinished uploads, close stores."""
+        await self.heap_trimmer.stop()
         if self.execution is not None:  # remote execution (issue 12): end jobs and streams first
             execution, self.execution = self.execution, None
             await execution.close()

@@ -33,6 +33,7 @@ from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.grpc.listener import GrpcListener
+from buildvault.server.heap_trim import HeapTrimmer
 from buildvault.server.metrics_relay import RelayedMetrics
 from buildvault.server.services import Services, StartupError
 from buildvault.storage.remote_store import RemoteStoreClient
@@ -110,6 +111,8 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
         print(f"buildvault secondary {config['index']}: {e}", file=sys.stderr)
         return 1
     metrics.start()
+    heap_trimmer = HeapTrimmer()
+    heap_trimmer.start()
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()
     os.dup2(2, 1)  # nobody reads the pipe after `ready`: anything printed later goes to the log
@@ -121,6 +124,7 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
         await listener.stop(0)
         await stopping
     hurried.cancel()
+    await heap_trimmer.stop()
     await services.uploads.close()
     await metrics.aclose()
     await client.aclose()

@@ -1,0 +1,71 @@
+"""Hand freed heap memory back to the kernel, so the resident size falls again after a burst of load.
+
+glibc keeps what the process frees inside its malloc arenas (one per thread that allocated, and
+gRPC's core allocates from many threads), and it returns only the free space at the very top of
+each heap on its own: after a burst of uploads the resident size stays near its peak for good.
+`malloc_trim(0)` gives back every free page of every arena. The server calls it once every
+`TRIM_INTERVAL` seconds in a worker thread (it takes each arena's lock for a moment and must not
+stall the event loop); measured in bench/RESULTS.md ("Memory after the load").
+
+Where malloc_trim does not exist (a libc other than glibc), the task is not started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import time
+from collections.abc import Callable
+
+__all__ = ["TRIM_INTERVAL", "HeapTrimmer"]
+
+TRIM_INTERVAL = 10.0  # seconds; a trim costs a few milliseconds of one worker thread
+
+log = logging.getLogger("buildvault.heap_trim")
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        function = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_size_t]
+    function.restype = ctypes.c_int
+    return function
+
+
+class HeapTrimmer:
+    """The task that trims the heap every `interval` seconds while the server runs."""
+
+    def __init__(self, interval: float = TRIM_INTERVAL) -> None:
+        self.interval = interval
+        self.trims = 0  # completed calls, for tests
+        self._trim = _malloc_trim()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        if self._trim is not None and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="buildvault-heap-trim")
+
+    async def _run(self) -> None:
+        trim = self._trim
+        assert trim is not None
+        while True:
+            await asyncio.sleep(self.interval)
+            start = time.perf_counter()
+            await asyncio.to_thread(trim, 0)
+            self.trims += 1
+            log.debug("heap trimmed in %.1f ms", (time.perf_counter() - start) * 1000)
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
