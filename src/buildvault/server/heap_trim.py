@@ -13,11 +13,12 @@ Where malloc_trim does not exist (a libc other than glibc), the task is not star
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import time
 from collections.abc import Callable
+
+from buildvault.server.background import cancel_and_wait
 
 __all__ = ["TRIM_INTERVAL", "HeapTrimmer"]
 
@@ -65,7 +66,4 @@ class HeapTrimmer:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)

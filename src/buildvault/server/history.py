@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from buildvault.server.background import cancel_and_wait
 from buildvault.server.metrics import PREFIX, Metrics
 
 DEFAULT_INTERVAL = 10.0
@@ -95,7 +95,4 @@ class History:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)

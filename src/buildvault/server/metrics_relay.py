@@ -14,11 +14,11 @@ secondary (the primary's store tier counts those bytes, without a protocol).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from typing import Any
 
+from buildvault.server.background import cancel_and_wait
 from buildvault.server.metrics import Metrics
 from buildvault.storage.remote_store import RemoteStoreClient
 from buildvault.storage.remote_wire import Kind
@@ -72,9 +72,6 @@ class RelayedMetrics(Metrics):
             log.debug("metrics relay: %s", e)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         await self.flush()
