@@ -89,8 +89,8 @@ class Upload:
         self.attached = False  # a Write handler is waiting on this upload
         self.finishing = False
         self.early = False  # the store had the blob before this upload sent everything
-        self._stream: AsyncIterator[bs_pb2.WriteRequest] | None = None
-        self._first: bs_pb2.WriteRequest | None = None  # the attached stream's first request, until taken
+        # The attached stream and its first request, until the source takes them.
+        self._attached: tuple[bs_pb2.WriteRequest, AsyncIterator[bs_pb2.WriteRequest]] | None = None
         self._outcome: asyncio.Future[object] | None = None
         self._waiter: asyncio.Future[object] | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -103,12 +103,11 @@ class Upload:
     async def _source(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         while True:
-            while self._stream is None:
+            while self._attached is None:
                 self._waiter = loop.create_future()
                 await self._waiter
-            iterator = self._stream
-            request, self._first = self._first, None
-            assert request is not None
+            request, iterator = self._attached
+            self._attached = None
             outcome = self._outcome
             try:
                 while True:
@@ -137,8 +136,6 @@ class Upload:
                         raise StopAsyncIteration from None
             except StopAsyncIteration:
                 # Closed without finish_write, or broken (a vanished client looks the same here).
-                if self._stream is iterator:
-                    self._stream = None
                 _settle(outcome, CLOSED)
             except errors.RequestError as e:
                 _settle(outcome, error=e)
@@ -173,8 +170,7 @@ class Upload:
         self.manager._resumable.pop(self.key, None)
         self.attached = True
         self._outcome = asyncio.get_running_loop().create_future()
-        self._stream = iterator
-        self._first = first
+        self._attached = (first, iterator)
         _settle(self._waiter)
         return self._outcome
 
