@@ -5,6 +5,7 @@ the server's upload grace period), and again some time after the load stops.
 
     python bench/abandon_bench.py --clients 20 --blob 4MiB --seconds 20 --after 70
     python bench/abandon_bench.py --clients 20 --busy 64 --seconds 90 --after 70   # issue 15's mix
+    python bench/abandon_bench.py --clients 20 --busy 64 --seconds 90 --after 75 --sample 15
 
 `--busy N` adds N clients that loop over the other calls meanwhile: FindMissingBlobs of 100
 digests, BatchUpdateBlobs and BatchReadBlobs of 10 x 4 KiB, a ByteStream Write of 1-8 MiB in
@@ -150,7 +151,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 peak = (max(peak[0], now[0]), max(peak[1], now[1]))
             await asyncio.gather(*tasks)
             right_after = memory_mib(server.pid)
-            await asyncio.sleep(args.after)  # measuring what is left once the grace period passed
+            # What is left once the grace period passed, and on the way there every --sample seconds.
+            marks: dict[str, int] = {}
+            waited = 0.0
+            while waited < args.after:
+                step = min(args.sample or args.after, args.after - waited)
+                await asyncio.sleep(step)
+                waited += step
+                marks[f"{waited:g}"] = memory_mib(server.pid)[1]
             later = memory_mib(server.pid)
         finally:
             stop(server)
@@ -160,7 +168,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "rss_idle_mib": idle[0], "rss_peak_mib": peak[0], "rss_right_after_mib": right_after[0],
         f"rss_{args.after:g}s_after_mib": later[0],
         "anon_idle_mib": idle[1], "anon_peak_mib": peak[1], "anon_right_after_mib": right_after[1],
-        f"anon_{args.after:g}s_after_mib": later[1],
+        f"anon_{args.after:g}s_after_mib": later[1], "anon_after_mib_by_second": marks,
     }  # fmt: skip
 
 
@@ -171,6 +179,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--after", type=float, default=70.0, help="seconds to wait after the load")
     parser.add_argument("--busy", type=int, default=0, help="clients of every other kind of call meanwhile")
+    parser.add_argument("--sample", type=float, default=0.0, help="also sample memory every S seconds after the load")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(run(args))))
     return 0
