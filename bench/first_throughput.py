@@ -23,9 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from bench.harness import cpu_seconds  # noqa: E402
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2  # noqa: E402
 
 MiB = 1 << 20
@@ -78,17 +80,6 @@ async def find_missing(cas: re_grpc.ContentAddressableStorageStub, calls: int) -
         reply = await cas.FindMissingBlobs(request)
         assert len(reply.missing_blob_digests) == 1000
     return calls / (time.perf_counter() - started)
-
-
-def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU time of a process (0 when unknown): wall time lies on a busy machine."""
-    if pid is None:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 async def run(target: str, size: int, rounds: int, server_pid: int | None = None) -> None:

@@ -228,6 +228,19 @@ def memory_kib(pid: int) -> tuple[int, int, int]:
     return fields["VmRSS:"], fields["RssFile:"], fields["VmHWM:"]
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process so far, seconds (0.0 when unknown or gone): wall time
+    lies on a busy machine."""
+    if not pid:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _process_tree(pid: int) -> list[int]:
     pids, pending = [], [pid]
     while pending:

@@ -47,6 +47,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from bench.harness import cpu_seconds  # noqa: E402
+
 EXAMPLE = REPO / "bazel_example"
 LAUNCHER = str(Path(sys.executable).parent / "buildvault-cc")
 MODES = ("none", "ccache cold", "ccache warm", "buildvault cold, agent start", "buildvault cold", "buildvault warm",
@@ -100,17 +104,6 @@ def build(checkout: Path, env: dict[str, str], launcher: str | None, jobs: int) 
     return end - start, end - mid, cpu
 
 
-def process_cpu(pid: int | None) -> float:
-    """utime + stime of a (non-child) process, seconds."""
-    if not pid:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def agent_pid(env: dict[str, str]) -> int | None:
     out = subprocess.run([LAUNCHER, "--agent-status"], env=env, capture_output=True, text=True).stdout
     try:
@@ -138,14 +131,14 @@ def prime(env: dict[str, str], work: Path) -> None:
 def measured(checkout: Path, env: dict[str, str], launcher: str, jobs: int,
              server: subprocess.Popen[str]) -> Sample:
     """build() plus the CPU the agent spent meanwhile, and the server's CPU apart."""
-    server_cpu = process_cpu(server.pid)
+    server_cpu = cpu_seconds(server.pid)
     before = agent_pid(env)
-    agent_cpu = process_cpu(before)
+    agent_cpu = cpu_seconds(before)
     total, step, cpu = build(checkout, env, launcher, jobs)
     subprocess.run([LAUNCHER, "--flush"], env=env, capture_output=True)
     after = agent_pid(env)
-    agent_cpu = process_cpu(after) - (agent_cpu if after == before else 0.0)
-    return total, step, cpu + agent_cpu, process_cpu(server.pid) - server_cpu
+    agent_cpu = cpu_seconds(after) - (agent_cpu if after == before else 0.0)
+    return total, step, cpu + agent_cpu, cpu_seconds(server.pid) - server_cpu
 
 
 def stop(env: dict[str, str], server: subprocess.Popen[str]) -> None:

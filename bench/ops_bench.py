@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import moto_seeded
+from harness import cpu_seconds
 
 from buildvault.admin import gc, verify
 from buildvault.config import Settings
@@ -100,19 +101,13 @@ def bench_verify(mib: int) -> dict[str, object]:
     }
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _own_cpu_seconds() -> float:
     times = os.times()
     return times.user + times.system
 
 
 def _gc_run(settings: Settings, moto_pid: int, dry_run: bool) -> dict[str, object]:
-    moto_before, ours_before = _cpu_seconds(moto_pid), _own_cpu_seconds()
+    moto_before, ours_before = cpu_seconds(moto_pid), _own_cpu_seconds()
     plan = gc.collect(settings, max_age=30 * 86400, max_size=None, grace=3600, dry_run=dry_run, show_progress=False)
     return {
         "objects": plan.objects,
@@ -122,7 +117,7 @@ def _gc_run(settings: Settings, moto_pid: int, dry_run: bool) -> dict[str, objec
         "seconds": round(plan.seconds, 2),
         "blobs_removed": len(plan.blobs_removed),
         "deleted": plan.deleted,
-        "moto_cpu_seconds": round(_cpu_seconds(moto_pid) - moto_before, 1),
+        "moto_cpu_seconds": round(cpu_seconds(moto_pid) - moto_before, 1),
         "gc_cpu_seconds": round(_own_cpu_seconds() - ours_before, 1),
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import servers  # noqa: E402
+from bench.harness import cpu_seconds  # noqa: E402
 
 HARNESS = ROOT / "bench" / "harness.py"
 SCENARIOS = (
@@ -42,12 +42,6 @@ SCENARIOS = (
 
 def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process, seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_cpu(server: servers.Server) -> tuple[float, float]:
