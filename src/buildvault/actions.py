@@ -213,7 +213,7 @@ class ActionCache:
         missing_set = set(missing)
         nested: dict[Digest, None] = {}
         present_trees = [d for d in refs.trees if d not in missing_set]
-        trees = await asyncio.gather(*(self._read_tree(d) for d in present_trees))
+        trees = await asyncio.gather(*(self._read_tree(d) for d in present_trees)) if present_trees else []
         for tree in trees:
             try:
                 _directory_files(tree.root, function, nested)
