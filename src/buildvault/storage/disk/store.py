@@ -43,26 +43,12 @@ class DiskStorage:
     entry is a file).
     """
 
-    def __init__(
-        self,
-        root: Path | str,
-        max_size: int,
-        *,
-        checkpoint_interval: float | None = 600.0,
-        max_workers: int | None = None,
-        sync_interval: float | None = SYNC_INTERVAL,
-        validate_entry: EntryValidator | None = None,
-        clock: Callable[[], float] = time.time,
-        hold_seconds: int = HOLD_SECONDS,
-        record_limit: int | None = None,
-    ) -> None:
-        self.root = Path(root)
+    def __init__(self, root: Path, max_size: int, core: Core, validate_entry: EntryValidator) -> None:
+        """Use `open`, which also loads the index and starts the background tasks."""
+        self.root = root
         self.max_size = max_size
-        self.checkpoint_interval = checkpoint_interval
-        self.sync_interval = sync_interval
-        self._validate = validate_entry or opaque_entry_is_intact
-        limit = records.RECORD_LIMIT if record_limit is None else record_limit
-        self._core = Core(self.root, max_size, max_workers, clock, hold_seconds, limit)
+        self._validate = validate_entry
+        self._core = core
         self._writer = Writer(self._core)
         self._reader = Reader(self._core)
         self._syncer = Syncer(self._core.layout, self._core.index, self._core.records)
@@ -97,18 +83,9 @@ class DiskStorage:
         namespace's kind ("ac", "raw"); without a validator every entry must only be non-empty and
         not zero-filled. `clock` is the wall clock (seconds) the LRU ages are kept in.
         """
-        storage = cls(
-            root,
-            max_size,
-            checkpoint_interval=checkpoint_interval,
-            max_workers=max_workers,
-            sync_interval=sync_interval,
-            validate_entry=validate_entry,
-            clock=clock,
-            hold_seconds=hold_seconds,
-            record_limit=record_limit,
-        )
-        core = storage._core
+        limit = records.RECORD_LIMIT if record_limit is None else record_limit
+        core = Core(Path(root), max_size, max_workers, clock, hold_seconds, limit)
+        storage = cls(Path(root), max_size, core, validate_entry or opaque_entry_is_intact)
         try:
             loaded = await core.io(storage._load, what=f"opening {root}")
         except BaseException:
