@@ -83,9 +83,10 @@ class DiskStorage:
         namespace's kind ("ac", "raw"); without a validator every entry must only be non-empty and
         not zero-filled. `clock` is the wall clock (seconds) the LRU ages are kept in.
         """
+        root = Path(root)
         limit = records.RECORD_LIMIT if record_limit is None else record_limit
-        core = Core(Path(root), max_size, max_workers, clock, hold_seconds, limit)
-        storage = cls(Path(root), max_size, core, validate_entry or opaque_entry_is_intact)
+        core = Core(root, max_size, max_workers, clock, hold_seconds, limit)
+        storage = cls(root, max_size, core, validate_entry or opaque_entry_is_intact)
         try:
             loaded = await core.io(storage._load, what=f"opening {root}")
         except BaseException:
