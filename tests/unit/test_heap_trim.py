@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
 
 from buildvault.config import Settings
 from buildvault.server.app import App
@@ -47,3 +51,34 @@ async def test_the_app_runs_the_trimmer_while_it_serves(tmp_path):
     finally:
         await app.stop(grace=0)
     assert not app.heap_trimmer.running
+
+
+# Eight threads alive at once, each allocating from the C heap, then glibc's own count of arenas
+# (malloc_stats() prints one "Arena N:" block per arena to stderr).
+_ARENAS_PROBE = """
+import ctypes, sys, threading
+from buildvault.server.heap_trim import limit_arenas
+if sys.argv[1] == "limit":
+    assert limit_arenas()
+barrier = threading.Barrier(8)
+def work():
+    held = [bytearray(64 << 10) for _ in range(4)]  # above pymalloc's small objects: malloc's heap
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+ctypes.CDLL(None).malloc_stats()
+"""
+
+
+def _arenas(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    probe = [sys.executable, "-c", _ARENAS_PROBE, mode]
+    done = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return len(re.findall(r"^Arena \d+:", done.stderr, re.M))
+
+
+def test_limit_arenas_caps_the_arenas_of_threads_started_after_it():
+    assert _arenas("default") > 2  # glibc's default gives new threads arenas of their own
+    assert _arenas("limit") <= 2
