@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from buildvault.server.background import cancel_and_wait
 
@@ -35,27 +36,23 @@ _M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 log = logging.getLogger("buildvault.heap_trim")
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+def _glibc(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """The C library's function `name` returning int, or None where this libc has none."""
     try:
-        function = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (AttributeError, OSError):
         return None
-    function.argtypes = [ctypes.c_size_t]
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
-    return function
+    return function  # type: ignore[no-any-return]
 
 
 def limit_arenas(arenas: int = ARENA_MAX) -> bool:
     """Cap glibc's malloc arenas for threads started from now on; False where that is not possible
     (not glibc) or where MALLOC_ARENA_MAX already chose."""
-    if "MALLOC_ARENA_MAX" in os.environ:
+    mallopt = _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+    if mallopt is None or "MALLOC_ARENA_MAX" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_ARENA_MAX, arenas))
 
 
@@ -65,7 +62,7 @@ class HeapTrimmer:
     def __init__(self, interval: float = TRIM_INTERVAL) -> None:
         self.interval = interval
         self.trims = 0  # completed calls, for tests
-        self._trim = _malloc_trim()
+        self._trim = _glibc("malloc_trim", ctypes.c_size_t)
         self._task: asyncio.Task[None] | None = None
 
     @property
