@@ -10,8 +10,10 @@ Each repetition runs bench/harness.py, in rotated order, against a fresh buildva
 floor servers of bench/floor_server.py (every call answered from a dict in memory: grpc.aio, as
 buildvault serves, and grpc's thread-pool server, as BuildGrid serves) and BuildGrid 0.9.1
 (bench/compare.py makes its venv). Prints, as markdown, the medians, buildvault as a share of
-the aio floor, and what each issue-15 target asks in absolute terms beside the best floor: a
-target above every floor cannot be reached by any Python gRPC server on this machine.
+the aio floor, buildvault's server CPU per harness CPU over the aio floor's (the harness does
+the same work against both, so this ratio holds when the machine's speed swings), and what each
+issue-15 target asks in absolute terms beside the best floor: a target above every floor cannot
+be reached by any Python gRPC server on this machine.
 """
 
 from __future__ import annotations
@@ -123,6 +125,16 @@ def machine_floors(directory: Path) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def cpu_share(runs: list[dict[str, Any]], scenario: str) -> float | None:
+    """Median over the repetitions of the server's CPU over the harness's in `scenario`."""
+    shares = [
+        row["detail"]["server_per_client_cpu"]
+        for document in runs for row in document.get("results", [])
+        if row["scenario"] == scenario and "server_per_client_cpu" in row.get("detail", {})
+    ]  # fmt: skip
+    return statistics.median(shares) if shares else None
+
+
 def report(names: list[str], runs: dict[str, list[dict[str, Any]]], machine: list[tuple[str, str]],
            command: str, load: tuple[str, str]) -> str:
     order, table = compare.summarize(runs)
@@ -132,8 +144,9 @@ def report(names: list[str], runs: dict[str, list[dict[str, Any]]], machine: lis
         "",
         f"load average at start {load[0]}, at end {load[1]}; repetitions: {len(runs['buildvault'])}",
         "",
-        f"| scenario | unit | buildvault | floor aio | floor sync | {peer_columns[0]}bv / floor aio |",
-        f"| --- | --- | ---: | ---: | ---: | {peer_columns[1]}---: |",
+        f"| scenario | unit | buildvault | floor aio | floor sync | {peer_columns[0]}bv / floor aio "
+        "| server CPU per harness CPU, bv / floor aio |",
+        f"| --- | --- | ---: | ---: | ---: | {peer_columns[1]}---: | ---: |",
     ]
     for scenario in order:
         entry = table[scenario]
@@ -148,6 +161,8 @@ def report(names: list[str], runs: dict[str, list[dict[str, Any]]], machine: lis
             cells.append(compare.fmt(want * peer) if want and peer else "")
         floor = medians["floor-aio"]
         cells.append(f"{medians['buildvault'] / floor:.2f}" if floor and medians["buildvault"] else "—")
+        cpu_bv, cpu_floor = cpu_share(runs["buildvault"], scenario), cpu_share(runs["floor-aio"], scenario)
+        cells.append(f"{cpu_bv / cpu_floor:.2f}" if cpu_bv and cpu_floor else "—")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| this machine | figure |", "| --- | ---: |"]
     lines += [f"| {what} | {figure} |" for what, figure in machine]

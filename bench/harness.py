@@ -14,7 +14,10 @@ random bytes on every run, so no server can answer from an earlier run's data.
 With --server-pid, a thread samples /proc/PID/status (VmRSS less RssFile: memory of its own, not
 mapped file pages such as an LMDB data file; and VmHWM) of that process and all its descendants
 every 20 ms: each scenario reports the peak it saw, and two extra rows report
-the run's peak and the peak while streaming the largest ByteStream blobs.
+the run's peak and the peak while streaming the largest ByteStream blobs. Each timed section
+also records the CPU of that process tree and of the harness (detail: server_cpu_us_per_op and
+server_per_client_cpu, the server's CPU over the harness's own: steadier than wall time when the
+machine's speed swings, since the harness does the same work against every server).
 
 --quick shrinks every size and count so the whole run takes seconds: the protocol-regression
 mode used by tests/bench/test_quick_bench.py.
@@ -177,6 +180,43 @@ class Timing:
         return value
 
 
+class CpuMeter:
+    """CPU seconds of the server's process tree (--server-pid) and of this harness over each timed
+    section. The server's CPU over the client's is steadier than wall time on a shared machine whose
+    speed swings: the client does the same work against every server, so it pays the same machine."""
+
+    def __init__(self) -> None:
+        self.server_pid: int | None = None
+        self._start: tuple[float, float] | None = None
+        self._window: tuple[float, float] | None = None
+
+    def _now(self) -> tuple[float, float]:
+        assert self.server_pid is not None
+        return sum(cpu_seconds(pid) for pid in _process_tree(self.server_pid)), time.process_time()
+
+    def start(self, add: bool = False) -> None:
+        """A timed section begins: it replaces the last one, or with `add` adds to it (reads timed
+        one by one)."""
+        if not add:
+            self._window = None
+        self._start = self._now() if self.server_pid else None
+
+    def stop(self) -> None:
+        if self._start is not None:
+            server, client = self._now()
+            done = self._window or (0.0, 0.0)
+            self._window = (done[0] + server - self._start[0], done[1] + client - self._start[1])
+            self._start = None
+
+    def take(self) -> tuple[float, float] | None:
+        """(server CPU s, harness CPU s) of the last timed section, once."""
+        window, self._window = self._window, None
+        return window
+
+
+CPU = CpuMeter()
+
+
 async def run_workers(concurrency: int, total: int, operation: Callable[[int], Awaitable[None]]) -> float:
     """Run operation(0..total-1) on `concurrency` workers; return wall seconds; first error wins."""
     counter = iter(range(total))
@@ -185,11 +225,14 @@ async def run_workers(concurrency: int, total: int, operation: Callable[[int], A
         for index in counter:
             await operation(index)
 
+    CPU.start()
     start = time.perf_counter()
     async with asyncio.TaskGroup() as group:
         for _ in range(min(concurrency, total)):
             group.create_task(worker())
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    CPU.stop()
+    return seconds
 
 
 def first_error(exc: BaseException) -> BaseException:
@@ -559,6 +602,13 @@ def finish(result: Result, timing: Timing) -> Result:
     result.seconds = timing.seconds
     result.p50_ms = percentile(timing.latencies, 0.50)
     result.p99_ms = percentile(timing.latencies, 0.99)
+    cpu = CPU.take()
+    if cpu is not None:
+        server, client = cpu
+        if result.ops:
+            result.detail["server_cpu_us_per_op"] = round(server / result.ops * 1e6, 1)
+        if client > 0:
+            result.detail["server_per_client_cpu"] = round(server / client, 3)
     return result
 
 
@@ -713,10 +763,13 @@ def make_bs_read(size_index: int, plan: Plan) -> Scenario:
                 stored.append((blob, digest))
         timing = Timing()
         largest_chunk = 0
+        CPU.take()  # the uploads above are not part of the reads
         for blob, digest in stored:  # one at a time: verification stays off the clock
+            CPU.start(add=True)
             start = time.perf_counter()
             chunks, largest = await client.bs_read(digest)
             elapsed = time.perf_counter() - start
+            CPU.stop()
             timing.latencies.append(elapsed)
             timing.seconds += elapsed
             largest_chunk = max(largest_chunk, largest)
@@ -860,11 +913,13 @@ async def run_mixed_pass(
         for action in actions:
             await step(client, action, timing)
 
+    CPU.start()
     start = time.perf_counter()
     async with asyncio.TaskGroup() as group:
         for actions in clients:
             group.create_task(one_client(actions))
     timing.seconds = time.perf_counter() - start
+    CPU.stop()
     return timing
 
 
@@ -986,6 +1041,7 @@ async def main_async(args: argparse.Namespace) -> int:
             return 2
         sampler = RssSampler(args.server_pid)
         sampler.start()
+        CPU.server_pid = args.server_pid
 
     results: list[Result] = []
     state: dict[str, Any] = {}
@@ -997,6 +1053,7 @@ async def main_async(args: argparse.Namespace) -> int:
             started = time.monotonic()
             if sampler is not None:
                 sampler.sample()
+            CPU.take()  # nothing from before this scenario counts in its figures
             try:
                 if args.warmup:  # an untimed run first: the blobs stored, the server's caches warm
                     await asyncio.wait_for(scenario.run(client, plan, state), timeout=args.scenario_timeout)

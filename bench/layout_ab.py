@@ -9,7 +9,9 @@ to the disk store (issue 15: small blobs as LMDB records instead of a file each)
 checkout's buildvault installed. Each repetition starts a fresh `buildvault serve` (fresh data
 directory, loopback, no HTTP listener) from each side in turn, alternating which goes first,
 runs this checkout's bench/harness.py against it, and stops it. Prints the median of every
-scenario's throughput per side, min-max, the after/before ratio, and the load average.
+scenario's throughput per side, min-max, the after/before ratio, the ratio of the server's CPU
+per operation over the harness's own (lower is cheaper; steadier than throughput when the
+machine's speed swings), and the load average.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     sides = {"before": args.before, "after": args.after}
     figures: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    cpu: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}  # server CPU / harness CPU
     units: dict[str, str] = {}
     loads = []
     with tempfile.TemporaryDirectory(prefix="bv-ab-") as tmp:
@@ -101,16 +104,20 @@ def main() -> None:
                     value, unit = throughput(row)
                     units[name] = unit
                     figures[side].setdefault(name, []).append(value)
+                    cpu[side].setdefault(name, []).append(float(row["detail"]["server_per_client_cpu"]))
                 loads.append(os.getloadavg()[0])
                 print(json.dumps({"rep": rep, "side": side, **{n: figures[side][n][-1] for n in rows}}), flush=True)
-    print("\n| scenario | unit | before (median, min-max) | after (median, min-max) | after/before |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("\n| scenario | unit | before (median, min-max) | after (median, min-max) | after/before "
+          "| server CPU / harness CPU, before / after | CPU after/before |")  # fmt: skip
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in figures["after"]:
         b, a = figures["before"].get(name, [0.0]), figures["after"][name]
         mb, ma = statistics.median(b), statistics.median(a)
         ratio = f"{ma / mb:.2f}x" if mb else "-"
+        cb, ca = statistics.median(cpu["before"].get(name, [0.0])), statistics.median(cpu["after"][name])
+        cpu_ratio = f"{ca / cb:.2f}x" if cb else "-"
         print(f"| {name} | {units[name]} | {mb:,.0f} ({min(b):,.0f}-{max(b):,.0f}) "
-              f"| {ma:,.0f} ({min(a):,.0f}-{max(a):,.0f}) | {ratio} |")  # fmt: skip
+              f"| {ma:,.0f} ({min(a):,.0f}-{max(a):,.0f}) | {ratio} | {cb:.2f} / {ca:.2f} | {cpu_ratio} |")  # fmt: skip
     print(f"\n{args.reps} repetitions, alternating order; load (1 min) {min(loads):.2f}-{max(loads):.2f}, "
           f"median {statistics.median(loads):.2f}; {os.cpu_count()} cores")  # fmt: skip
 

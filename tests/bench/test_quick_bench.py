@@ -65,6 +65,13 @@ def test_quick_bench_against_buildvault(tmp_path: Path) -> None:
         assert row["ok"] and row["error"] is None, row
         assert row["value"] is not None and row["value"] > 0, row
         assert row["rss_peak_mib"] is not None and row["rss_peak_mib"] > 0, row
+    # Every timed section measured the server's CPU beside the harness's (clock ticks are 10 ms,
+    # so a quick section may read 0; the whole run cannot).
+    timed = [row for row in results if not row["scenario"].startswith("server_rss")]
+    for row in timed:
+        assert row["detail"].get("server_per_client_cpu", -1) >= 0, (row["scenario"], row["detail"])
+        assert row["detail"]["server_cpu_us_per_op"] >= 0, row
+    assert sum(row["detail"]["server_cpu_us_per_op"] * row["ops"] for row in timed) > 0
     assert "| scenario |" in proc.stdout and f"{len(expected)} scenarios ok, 0 failed" in proc.stdout
 
 
