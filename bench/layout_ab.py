@@ -104,7 +104,8 @@ def main() -> None:
                     value, unit = throughput(row)
                     units[name] = unit
                     figures[side].setdefault(name, []).append(value)
-                    cpu[side].setdefault(name, []).append(float(row["detail"]["server_per_client_cpu"]))
+                    if "server_per_client_cpu" in row.get("detail", {}):  # not every row has a timed section
+                        cpu[side].setdefault(name, []).append(float(row["detail"]["server_per_client_cpu"]))
                 loads.append(os.getloadavg()[0])
                 print(json.dumps({"rep": rep, "side": side, **{n: figures[side][n][-1] for n in rows}}), flush=True)
     print("\n| scenario | unit | before (median, min-max) | after (median, min-max) | after/before "
@@ -114,7 +115,8 @@ def main() -> None:
         b, a = figures["before"].get(name, [0.0]), figures["after"][name]
         mb, ma = statistics.median(b), statistics.median(a)
         ratio = f"{ma / mb:.2f}x" if mb else "-"
-        cb, ca = statistics.median(cpu["before"].get(name, [0.0])), statistics.median(cpu["after"][name])
+        cb = statistics.median(cpu["before"].get(name, [0.0]))
+        ca = statistics.median(cpu["after"].get(name, [0.0]))
         cpu_ratio = f"{ca / cb:.2f}x" if cb else "-"
         print(f"| {name} | {units[name]} | {mb:,.0f} ({min(b):,.0f}-{max(b):,.0f}) "
               f"| {ma:,.0f} ({min(a):,.0f}-{max(a):,.0f}) | {ratio} | {cb:.2f} / {ca:.2f} | {cpu_ratio} |")  # fmt: skip

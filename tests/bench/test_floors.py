@@ -28,12 +28,14 @@ def test_floors_quick_run_verifies_every_server() -> None:
     rows = {}
     for line in proc.stdout.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 6 and re.fullmatch(r"[a-z0-9_]+", cells[0]) and cells[0] != "scenario":
+        if len(cells) == 7 and re.fullmatch(r"[a-z0-9_]+", cells[0]) and cells[0] != "scenario":
             rows[cells[0]] = cells
     for scenario in ("capabilities", "fmb_c1", "batch_read_c8", "ac_get_c1", "mixed_warm"):
         assert scenario in rows, proc.stdout
         for value in rows[scenario][2:5]:  # buildvault, floor aio, floor sync: a measured rate each
             assert float(value.replace(",", "")) > 0, rows[scenario]
+        # the CPU ratio: a positive number, or a dash where a section was too short to register CPU
+        assert rows[scenario][6] == "—" or float(rows[scenario][6]) > 0, rows[scenario]
     assert "FAILED" not in proc.stderr, proc.stderr[-4000:]
     for figure in ("SHA-256, one thread, 4 KiB buffers", "write 4 KiB + fdatasync, median"):
         assert re.search(rf"\| {re.escape(figure)} \| [0-9.,]+ (MB/s|ms) \|", proc.stdout), proc.stdout
