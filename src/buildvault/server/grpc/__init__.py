@@ -57,8 +57,8 @@ def server_options(reuseport: bool = False) -> list[tuple[str, Any]]:
         # A fixed 1 MiB receive window per stream instead of bandwidth-delay probing, whose windows
         # grow per stream with nothing bounding their sum (Python cannot give gRPC a memory quota):
         # under ~100 uploads at once the chunks received but not yet read held ~270 MiB. Probing
-        # off with the default 64 KiB window was ~0.7x on streamed writes; 1 MiB measured close to
-        # probing, not yet settled (bench/RESULTS.md, "Receive windows and chunks held twice").
+        # off with the default 64 KiB window was ~0.7x on streamed writes; 1 MiB costs a single
+        # stream ~0.9x of probing's rate (bench/RESULTS.md, "The side bias found").
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", 1 << 20),
     ]
