@@ -100,14 +100,15 @@ def main() -> None:
             order = ["before", "after"] if rep % 2 == 0 else ["after", "before"]
             for side in order:
                 # One work area, emptied before every run: with the other side's blobs left on disk,
-                # the second side's 64 KiB-chunk writes ran at 0.64x the first's with the same code.
+                # the "after" side's 64 KiB-chunk writes ran at 0.64x with the same code on both.
                 rows = run_once(sides[side], args.scenarios, Path(tmp) / "run")
                 for name, row in rows.items():
                     value, unit = throughput(row)
                     units[name] = unit
                     figures[side].setdefault(name, []).append(value)
-                    if "server_per_client_cpu" in row.get("detail", {}):  # not every row has a timed section
-                        cpu[side].setdefault(name, []).append(float(row["detail"]["server_per_client_cpu"]))
+                    share = row.get("detail", {}).get("server_per_client_cpu")  # RSS rows have none
+                    if share is not None:
+                        cpu[side].setdefault(name, []).append(float(share))
                 loads.append(os.getloadavg()[0])
                 print(json.dumps({"rep": rep, "side": side, **{n: figures[side][n][-1] for n in rows}}), flush=True)
     print("\n| scenario | unit | before (median, min-max) | after (median, min-max) | after/before "
