@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import traceback
 from collections.abc import AsyncIterator
 
 from buildvault import logs
@@ -68,6 +69,22 @@ def _settle(future: asyncio.Future[object] | None, result: object = None, error:
             future.set_exception(error)
         else:
             future.set_result(result)
+
+
+def _clear_cancelled_frames(task: asyncio.Task[None]) -> None:
+    """Clear the locals of the frames a cancelled task's CancelledError passed through.
+
+    The task keeps that error, whose traceback keeps those frames: `Upload._source` or the store
+    writer holding it, and through them the upload, which keeps the task. Only the cyclic GC frees
+    such a loop, with the chunks the writer held, and a server that goes quiet after a burst of
+    abandoned uploads may not run it for minutes (bench/RESULTS.md, "Abandoned uploads left
+    reference cycles"). Only the cancelled case: those frames are the finished task's own. A
+    refused upload's error is also raised in its Write handler, whose frames must not be cleared;
+    that rarer loop is left to the cyclic GC."""
+    try:
+        task.exception()
+    except asyncio.CancelledError as cancelled:  # not kept past the block: it would hold this frame
+        traceback.clear_frames(cancelled.__traceback__)
 
 
 class Upload:
@@ -145,6 +162,7 @@ class Upload:
         self._cancel_expiry()
         self.manager._forget(self)
         if task.cancelled():
+            _clear_cancelled_frames(task)
             _settle(self._outcome, error=UploadAborted(f"upload of {self.digest} was abandoned"))
             return
         error = task.exception()
