@@ -1,12 +1,16 @@
-"""The heap trimmer (server/heap_trim.py): freed heap pages go back to the kernel, and the App runs it."""
+"""The heap trimmer (server/heap_trim.py): freed heap pages go back to the kernel, garbage in
+reference cycles is collected once when the server goes quiet after a burst, and the App runs it."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import os
 import re
 import subprocess
 import sys
+import weakref
 
 from buildvault.config import Settings
 from buildvault.server.app import App
@@ -40,6 +44,65 @@ async def test_freed_heap_memory_goes_back_to_the_kernel():
     released_mib = (freed_but_resident - anonymous_kib()) / 1024
     assert released_mib > 50, f"only {released_mib:.1f} MiB of the 100 MiB freed went back"
     assert len(kept) == BLOCK
+
+
+class Cycle:
+    """An object only the cyclic garbage collector can free."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+class CpuClock:
+    """The process CPU time the trimmer reads; the test decides how much each interval used."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+
+async def ticks(trimmer: HeapTrimmer, count: int) -> None:
+    """Wait until the trimmer has completed `count` more intervals."""
+    target = trimmer.trims + count
+    while trimmer.trims < target:
+        await asyncio.sleep(0.005)
+
+
+async def test_a_quiet_interval_after_a_busy_one_collects_cycles_once():
+    clock = CpuClock()
+    trimmer = HeapTrimmer(interval=0.01, cpu_clock=clock)
+    gc.disable()  # only the trimmer may collect the cycle
+    try:
+        cycle = Cycle()
+        freed = weakref.ref(cycle)
+        del cycle
+        trimmer.start()
+        await ticks(trimmer, 3)
+        assert trimmer.collections == 0, "a server quiet since it started has nothing to collect"
+        assert freed() is not None
+        clock.seconds += 5.0  # one busy interval, then quiet ones
+        await ticks(trimmer, 6)
+        assert freed() is None, "the quiet interval after the busy one did not collect the cycle"
+        assert trimmer.collections == 1, "one collection per quiet spell, not one per quiet interval"
+        clock.seconds += 5.0
+        await ticks(trimmer, 6)
+        assert trimmer.collections == 2
+    finally:
+        gc.enable()
+        await trimmer.stop()
+
+
+async def test_a_busy_server_never_collects():
+    busy_clock = itertools.count(step=1.0).__next__  # a second of CPU between any two readings
+    trimmer = HeapTrimmer(interval=0.01, cpu_clock=lambda: float(busy_clock()))
+    trimmer.start()
+    try:
+        await ticks(trimmer, 8)
+        assert trimmer.collections == 0
+    finally:
+        await trimmer.stop()
 
 
 async def test_the_app_runs_the_trimmer_while_it_serves(tmp_path):

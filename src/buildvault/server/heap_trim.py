@@ -7,6 +7,14 @@ each heap on its own: after a burst of uploads the resident size stays near its 
 `TRIM_INTERVAL` seconds in a worker thread (it takes each arena's lock for a moment and must not
 stall the event loop); measured in bench/RESULTS.md ("Memory after the load").
 
+Some of what a burst leaves is not free yet: gRPC's request receivers (and other per-request
+objects) sit in reference cycles that only Python's cyclic GC frees, and its oldest generation
+runs rarely. So on the first quiet interval after a busy one (the process spent under
+`QUIET_SHARE` of a core), the trimmer runs one full `gc.collect()` before the trim. Never on a
+timer while busy: a full collection holds the event loop for tens of milliseconds (RESULTS.md,
+"Abandoned uploads left reference cycles"). It runs on the loop's thread, where finalizers of
+asyncio objects expect to run.
+
 Where malloc_trim does not exist (a libc other than glibc), the task is not started.
 
 `limit_arenas()`, called before the server starts its threads, caps glibc at `ARENA_MAX` arenas
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import time
@@ -27,9 +36,10 @@ from typing import Any
 
 from buildvault.server.background import cancel_and_wait
 
-__all__ = ["ARENA_MAX", "TRIM_INTERVAL", "HeapTrimmer", "limit_arenas"]
+__all__ = ["ARENA_MAX", "QUIET_SHARE", "TRIM_INTERVAL", "HeapTrimmer", "limit_arenas"]
 
 TRIM_INTERVAL = 10.0  # seconds; a trim costs a few milliseconds of one worker thread
+QUIET_SHARE = 0.02  # of one core over an interval; an idle server uses well under it
 ARENA_MAX = 2
 _M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 
@@ -57,11 +67,18 @@ def limit_arenas(arenas: int = ARENA_MAX) -> bool:
 
 
 class HeapTrimmer:
-    """The task that trims the heap every `interval` seconds while the server runs."""
+    """The task that trims the heap every `interval` seconds while the server runs, after one full
+    garbage collection when the process has gone quiet after being busy.
 
-    def __init__(self, interval: float = TRIM_INTERVAL) -> None:
+    `cpu_clock` is the process's CPU time (tests pass their own)."""
+
+    def __init__(
+        self, interval: float = TRIM_INTERVAL, cpu_clock: Callable[[], float] = time.process_time
+    ) -> None:
         self.interval = interval
         self.trims = 0  # completed calls, for tests
+        self.collections = 0
+        self._cpu_clock = cpu_clock
         self._trim = _glibc("malloc_trim", ctypes.c_size_t)
         self._task: asyncio.Task[None] | None = None
 
@@ -76,12 +93,23 @@ class HeapTrimmer:
     async def _run(self) -> None:
         trim = self._trim
         assert trim is not None
+        busy = False  # some interval since the last collection was not quiet
+        cpu = self._cpu_clock()
         while True:
             await asyncio.sleep(self.interval)
+            quiet = self._cpu_clock() - cpu < self.interval * QUIET_SHARE
             start = time.perf_counter()
+            if not quiet:
+                busy = True
+            elif busy:
+                busy = False
+                found = gc.collect()
+                self.collections += 1
+                log.debug("quiet: collected %d objects in %.1f ms", found, (time.perf_counter() - start) * 1000)
             await asyncio.to_thread(trim, 0)
             self.trims += 1
             log.debug("heap trimmed in %.1f ms", (time.perf_counter() - start) * 1000)
+            cpu = self._cpu_clock()  # the collection and the trim are not the next interval's load
 
     async def stop(self) -> None:
         task, self._task = self._task, None
