@@ -5,11 +5,10 @@ CancelledError is left for the cyclic GC, which an idle server may not run for m
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -20,16 +19,6 @@ from buildvault.server.grpc.bytestream import CLOSED, Upload, Uploads, _upload_k
 from buildvault.storage.memory import MemoryBlobStore
 
 CHUNK = 64 << 10
-
-
-@pytest.fixture
-def no_cyclic_gc() -> Iterator[None]:
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 async def _stream(requests: list[bs_pb2.WriteRequest]) -> AsyncIterator[bs_pb2.WriteRequest]:
