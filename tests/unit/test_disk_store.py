@@ -349,6 +349,29 @@ def test_a_streamed_write_drops_the_parts_already_on_disk_from_the_page_cache(tm
     assert written.read_bytes() == b"".join(parts)
 
 
+def test_a_streamed_read_asks_for_sequential_read_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((fd, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    data = os.urandom(3 * CHUNK_SIZE)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    status, fd, first = fileops.open_range(str(path), len(data), 0, CHUNK_SIZE, len(data), None)
+    assert status == fileops.OK and fd is not None and first == data[:CHUNK_SIZE]
+    try:
+        assert advised == [(fd, os.POSIX_FADV_SEQUENTIAL)]
+    finally:
+        os.close(fd)
+    advised.clear()  # read in one go: no file stays open, nothing to advise
+    status, fd, whole = fileops.open_range(str(path), len(data), 0, len(data), len(data), None)
+    assert (status, fd, whole, advised) == (fileops.OK, None, data, [])
+
+
 # -- keys kept apart -----------------------------------------------------------------------
 
 
