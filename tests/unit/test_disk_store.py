@@ -321,34 +321,6 @@ async def test_enospc_becomes_storage_full_and_leaves_nothing(
     assert await read_all(storage, digest) == data
 
 
-def _page_cached(path: Path, offset: int) -> bool:
-    """Whether the page at `offset` is in the page cache: a read told not to wait for the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.preadv(fd, [bytearray(4096)], offset, os.RWF_NOWAIT) > 0
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def test_a_streamed_write_drops_the_parts_already_on_disk_from_the_page_cache(tmp_path: Path) -> None:
-    control = tmp_path / "control"
-    control.write_bytes(b"c" * WRITE_BATCH)
-    assert _page_cached(control, 0)  # a plain write stays cached on this file system
-    parts = [bytes([n]) * WRITE_BATCH for n in (1, 2, 3)]
-    temp = fileops.TempFile(str(tmp_path), None)
-    temp.append(parts[0])
-    assert temp.fd is not None
-    os.fdatasync(temp.fd)  # the first part is clean now, so the next append can drop it
-    temp.append(parts[1])
-    temp.finish([parts[2]])
-    assert temp.path is not None
-    written = Path(temp.path)
-    assert not _page_cached(written, 0) and not _page_cached(written, WRITE_BATCH - 4096)
-    assert written.read_bytes() == b"".join(parts)
-
-
 def test_a_streamed_read_asks_for_sequential_read_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     advised: list[tuple[int, int]] = []
     real = os.posix_fadvise

@@ -199,9 +199,8 @@ def open_range(
     if len(data) < length or offset + length >= end:
         os.close(fd)
         return OK, None, data
-    # The rest is read in order: a doubled read-ahead window takes a blob that is not (or no longer:
-    # `TempFile` writes behind) in the page cache at about the cached rate (bench/RESULTS.md,
-    # "Large writes"). Advice only.
+    # The rest is read in order: a doubled read-ahead window reads a blob that is not in the page
+    # cache about twice as fast here (bench/RESULTS.md, "Write behind"). Advice only.
     with contextlib.suppress(OSError):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     return OK, fd, data
@@ -233,24 +232,15 @@ def close_opened(cf: concurrent.futures.Future[Any]) -> None:
 
 class TempFile:
     """A write in progress. Its methods run in worker threads, one at a time (except that
-    `digest_part` and `append` may overlap: they touch disjoint state).
+    `digest_part` and `append` may overlap: they touch disjoint state)."""
 
-    It writes behind: each part's writeback starts as it is written, and the part before leaves
-    the page cache once it is on disk. The next parts then reuse those pages: a page the cache
-    has not had before costs several times the copy into a reused one (bench/RESULTS.md, "Large
-    writes"), and a large upload no longer fills the page cache with dirty pages. A part still
-    being written back when the next one comes stays cached.
-    """
-
-    __slots__ = ("directory", "path", "fd", "hasher", "appended", "last_part")
+    __slots__ = ("directory", "path", "fd", "hasher")
 
     def __init__(self, directory: str, hasher: Hasher | None) -> None:
         self.directory = directory
         self.path: str | None = None
         self.fd: int | None = None
         self.hasher = hasher
-        self.appended = 0  # bytes in the file
-        self.last_part = 0  # where the part appended last begins
 
     def write(self, parts: list[bytes]) -> None:
         data = self.digest_part(parts)
@@ -271,10 +261,6 @@ class TempFile:
             self.path = path
         if data:
             write_all(self.fd, data)
-            start, self.appended = self.appended, self.appended + len(data)
-            _drop_behind(self.fd, self.last_part, start - self.last_part)  # clean by now, most often
-            _drop_behind(self.fd, start, len(data))  # starts this part's writeback
-            self.last_part = start
 
     def finish(self, parts: list[bytes], sync: bool = False) -> str | None:
         """Write the rest, close (fsync first if `sync`); return the hex digest."""
@@ -298,14 +284,6 @@ class TempFile:
         if self.path is not None:
             unlink_quiet(self.path)
             self.path = None
-
-
-def _drop_behind(fd: int, offset: int, length: int) -> None:
-    """Start writeback of the range and drop its pages that are already clean (advice only: a
-    file system that does not take it keeps the pages cached, as any write would)."""
-    if length:
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def replace_durably(tmp_dir: str, final: str, parts: list[bytes]) -> None:
