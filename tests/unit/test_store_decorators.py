@@ -15,7 +15,7 @@ from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import BlobStore, DigestMismatch, InvalidRange, NotFound, Unavailable, single_chunk
 from buildvault.storage.decorator import ForwardingBlobStore
 from buildvault.storage.empty_blob import EmptyBlobStore
-from buildvault.storage.existence_cache import ExistenceCache
+from buildvault.storage.existence_cache import ExistenceCache, PresenceIndex
 from buildvault.storage.fail_open import FailOpenActionStore, FailOpenBlobStore, SlowTierHealth
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 from buildvault.storage.metrics import REQUEST_PROTOCOL, MeteredActionStore, MeteredBlobStore
@@ -130,6 +130,55 @@ async def test_existence_cache_asks_once_per_unknown_digest_in_one_call():
     assert await cache.find_missing_indices(DigestFunction.SHA256, hashes, sizes) == [3, 4]  # negatives kept too
     assert inner.calls == {"find_missing": 1}
     assert all(cache.known_present(d) for d, _ in stored) and not cache.known_present(absent[0][0])
+
+
+async def test_existence_cache_reports_a_digest_asked_twice_once_at_its_first_index():
+    slow = MemoryBlobStore()
+    stored, absent = blobs(2), blobs(2)
+    await slow.write_blobs(stored)
+    cache = ExistenceCache(slow)
+    digests = [d for d, _ in [absent[0], stored[0], absent[1], absent[0], stored[1], absent[1]]]
+    hashes, sizes = [d.hash for d in digests], [d.size_bytes for d in digests]
+    assert await cache.find_missing_indices(DigestFunction.SHA256, hashes, sizes) == [0, 2]  # asked
+    assert await cache.find_missing_indices(DigestFunction.SHA256, hashes, sizes) == [0, 2]  # known
+
+
+def test_presence_answers_expire_at_their_ttl():
+    now = [1000.0]
+    index = PresenceIndex(positive_ttl=60.0, negative_ttl=5.0, clock=lambda: now[0])
+    (present, _), (absent, _) = blobs(2)
+    index.set(present, True)
+    index.set(absent, False)
+    hashes, sizes = [present.hash, absent.hash], [present.size_bytes, absent.size_bytes]
+    assert index.get_many(DigestFunction.SHA256, hashes, sizes) == [True, False]
+    now[0] += 4.9
+    assert index.get_many(DigestFunction.SHA256, hashes, sizes) == [True, False]
+    now[0] += 0.1  # the negative answer is 5 s old: asked again
+    assert index.get_many(DigestFunction.SHA256, hashes, sizes) == [True, None]
+    assert index.get(absent) is None and len(index) == 1
+    now[0] += 55.0
+    assert index.get(present) is None and len(index) == 0
+
+
+def test_presence_lookups_keep_positive_answers_in_use_and_let_negative_ones_age():
+    (a, _), (b, _), (c, _) = blobs(3)
+
+    def look(index: PresenceIndex, digest: Digest) -> bool | None:
+        return index.get_many(DigestFunction.SHA256, [digest.hash], [digest.size_bytes])[0]
+
+    index = PresenceIndex(max_entries=2)
+    index.set(a, True)
+    index.set(b, False)
+    assert look(index, a) is True  # a use: a is now the newest
+    index.set(c, False)  # the oldest makes room
+    assert (index.get(a), index.get(b), index.get(c)) == (True, None, False)
+
+    index = PresenceIndex(max_entries=2)
+    index.set(b, False)
+    index.set(c, False)
+    assert look(index, b) is False  # not a use: b stays the oldest
+    index.set(a, True)
+    assert (index.get(a), index.get(b), index.get(c)) == (True, None, False)
 
 
 async def test_existence_cache_shares_checks_in_flight():
