@@ -180,6 +180,13 @@ def test_presence_lookups_keep_positive_answers_in_use_and_let_negative_ones_age
     index.set(a, True)
     assert (index.get(a), index.get(b), index.get(c)) == (True, None, False)
 
+    index = PresenceIndex(max_entries=2)  # the same rule for a lookup of one digest
+    index.set(b, False)
+    index.set(c, False)
+    assert index.get(b) is False
+    index.set(a, True)
+    assert (index.get(a), index.get(b), index.get(c)) == (True, None, False)
+
 
 async def test_existence_cache_shares_checks_in_flight():
     inner = Gated(MemoryBlobStore())

@@ -47,15 +47,7 @@ class PresenceIndex:
 
     def get(self, digest: Digest) -> bool | None:
         """True: in the slow tier; False: recently found missing; None: unknown or expired."""
-        key = self._key(digest)
-        value = self._entries.get(key)
-        if value is None:
-            return None
-        if abs(value) <= self._clock():
-            del self._entries[key]
-            return None
-        self._entries.move_to_end(key)
-        return value > 0
+        return self.get_many(digest.function, [digest.hash], [digest.size_bytes])[0]
 
     def get_many(self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]) -> list[bool | None]:
         """`get` of each digest, without building Digest objects (FindMissingBlobs' hot path).
