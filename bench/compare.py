@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""buildvault vs BuildGrid 0.4.4 and 0.9.x, one command: writes bench/RESULTS.md.
+"""buildvault vs BuildGrid 0.4.4 and 0.9.x, one command: writes a dated report to bench/notes/.
 
     .venv/bin/python bench/compare.py                  # full run, ~15 min on 2 cores
     .venv/bin/python bench/compare.py --scenarios 'fmb_*,ac_*' --reps 5 --no-bazel
@@ -17,9 +17,11 @@
    Bazel's own --disk_cache (bench/bazel_warm.py), rotated the same way.
 4. Writes medians, min-max and the buildvault/BuildGrid ratio against each BuildGrid per
    scenario, with the targets (met or not against 0.9.x, the current release), the exact
-   command and the machine (cores, RAM, CPU model; no host names or paths).
+   command and the machine (cores, RAM, CPU model; no host names or paths), to
+   bench/notes/compare-<UTC date and time>.md (or --out). bench/RESULTS.md is curated by hand:
+   copy the table there when it becomes today's figures.
 
-Exit status: 0 when every run passed its verification, 1 otherwise (RESULTS.md still written).
+Exit status: 0 when every run passed its verification, 1 otherwise (the report is still written).
 """
 
 from __future__ import annotations
@@ -299,7 +301,7 @@ def write_report(
     lines = [
         "# buildvault vs BuildGrid: benchmark results",
         "",
-        "Written by `bench/compare.py`; do not edit by hand. All servers on loopback on the same",
+        "Written by `bench/compare.py`. All servers on loopback on the same",
         "machine as the client (bench/harness.py, one grpc.aio channel), each run on a fresh server",
         "with an empty data directory, the servers interleaved in rotated order. Every read-back",
         "was verified. Noise between runs is about ±30 %: read the ratio (buildvault / BuildGrid,",
@@ -407,19 +409,8 @@ def write_report(
                   for name in names for i in range(args.reps)]
         lines.append(f"| {scenario} | " + " | ".join(fmt(v) for v in values) + " |")
     lines += ["", "</details>", ""]
-    path.write_text("\n".join(lines) + kept_measurements(path), encoding="utf-8")
-
-
-KEPT_MARKER = "<!-- measurements below are not written by compare.py and are kept -->"
-
-
-def kept_measurements(path: Path) -> str:
-    """Other benchmarks (launcher, disk restart, ...) record their figures below a marker."""
-    if not path.exists():
-        return ""
-    text = path.read_text(encoding="utf-8")
-    at = text.find(KEPT_MARKER)
-    return "\n" + text[at:] if at >= 0 else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--buildgrid-09-version", default="0.9.1", help="BuildGrid 0.9.x (default %(default)s)")
     parser.add_argument("--python313", help="Python >= 3.13 to make the BuildGrid 0.9.x venv with")
     parser.add_argument("--upgrade-buildgrid", action="store_true", help="reinstall/upgrade BuildGrid first")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "RESULTS.md"), help="report path")
+    parser.add_argument("--out", help="report path (default bench/notes/compare-<UTC date and time>.md)")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="limit of one harness run, seconds")
     args = parser.parse_args(argv)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
@@ -515,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     log(f"BuildGrid {meta['buildgrid']}; buildvault {meta['revision']}")
 
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d-%H%M")
+    out = Path(args.out) if args.out else ROOT / "bench" / "notes" / f"compare-{stamp}.md"
     workdir = Path(tempfile.mkdtemp(prefix="buildvault-compare-"))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     bazel: dict[str, Any] | None = None
@@ -543,13 +536,12 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"bazel figure failed: {bazel_error}")
         meta["wall_min"] = (time.monotonic() - started_at) / 60
         meta["load_end"] = load_average()
-        out = Path(args.out)
         write_report(out, args, command, runs, bazel, bazel_error, meta)
         log(f"wrote {out}")
     finally:
         servers.remove(workdir)
     ok = all(d.get("exit_code") == 0 for docs in runs.values() for d in docs) and bazel_error is None
-    print(Path(args.out).read_text(encoding="utf-8"))
+    print(out.read_text(encoding="utf-8"))
     return 0 if ok else 1
 
 
