@@ -1,4 +1,4 @@
-"""Remote Execution API v2, SemVer and ByteStream protobuf/gRPC modules.
+"""Remote Execution API v2, Remote Asset API v1, SemVer and ByteStream protobuf/gRPC modules.
 
 The ``.proto`` sources live next to their generated ``*_pb2.py`` /
 ``*_pb2.pyi`` / ``*_pb2_grpc.py`` modules; regenerate with
@@ -7,13 +7,15 @@ missing or broken, ``python src/buildvault/remote_apis/regen.py``).
 
 Short aliases::
 
-    from buildvault.remote_apis import re_pb2, re_grpc, bs_pb2, bs_grpc, semver_pb2
+    from buildvault.remote_apis import re_pb2, re_grpc, ra_pb2, ra_grpc, bs_pb2, bs_grpc, semver_pb2
 """
 
+from .build.bazel.remote.asset.v1 import remote_asset_pb2 as ra_pb2
+from .build.bazel.remote.asset.v1 import remote_asset_pb2_grpc as ra_grpc
 from .build.bazel.remote.execution.v2 import remote_execution_pb2 as re_pb2
 from .build.bazel.remote.execution.v2 import remote_execution_pb2_grpc as re_grpc
 from .build.bazel.semver import semver_pb2
 from .google.bytestream import bytestream_pb2 as bs_pb2
 from .google.bytestream import bytestream_pb2_grpc as bs_grpc
 
-__all__ = ["bs_grpc", "bs_pb2", "re_grpc", "re_pb2", "semver_pb2"]
+__all__ = ["bs_grpc", "bs_pb2", "ra_grpc", "ra_pb2", "re_grpc", "re_pb2", "semver_pb2"]

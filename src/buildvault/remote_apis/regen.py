@@ -49,6 +49,7 @@ SRC_ROOT = Path(__file__).resolve().parents[2]
 PROTOS: tuple[str, ...] = (
     "buildvault/remote_apis/build/bazel/semver/semver.proto",
     "buildvault/remote_apis/build/bazel/remote/execution/v2/remote_execution.proto",
+    "buildvault/remote_apis/build/bazel/remote/asset/v1/remote_asset.proto",
     "buildvault/remote_apis/google/bytestream/bytestream.proto",
 )
 
