@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 import pytest
 from auth_setup import Pki, basic, bearer, htpasswd, metric, new_token, status, trust_store, write_access
 from bazel_harness import ALL_HITS, CACHEABLE_SPAWNS, EXPECTED_OUTPUT
@@ -140,3 +142,64 @@ def test_bazel_with_a_read_token_that_would_upload_stops_before_building(tmp_pat
     )
     assert result.returncode == 34, result.output[-3000:]
     assert "not authorized to write local results to the remote cache" in result.output
+
+
+def test_bazel_https_stops_at_the_server_certificate_tokens_carry_identity(
+    tmp_path, servers, bazel_workspace_factory
+):
+    """Where TLS stops for Debian's Bazel 4.2.3 over HTTP: its HTTP cache presents no client
+    certificate even with `--tls_client_certificate` (every request is refused, it builds
+    locally, nothing stored), so the working set-up is a TLS server certificate,
+    `--tls-client-auth optional` and a bearer token in `--remote_header`."""
+    pki = Pki(tmp_path / "pki")
+    cert = pki.issue("localhost", server=True)
+    client = pki.issue("ci-runner")
+    tokens = tmp_path / "tokens"
+    ci = new_token(tokens, "ci")
+    access = write_access(
+        tmp_path / "access.toml", [("ci", ["read", "write"], [""]), ("cert:ci-runner", ["read", "write"], [""])]
+    )
+    server = servers(
+        "tls",
+        "--token-file", str(tokens), "--access-file", str(access),
+        "--tls-cert-file", str(cert.cert), "--tls-key-file", str(cert.key),
+        "--tls-client-ca-file", str(pki.ca_cert), "--tls-client-auth", "optional",
+        grpc_address="",
+    )  # fmt: skip
+    store = trust_store(tmp_path, pki.ca_cert)
+    jvm = [
+        f"--host_jvm_args=-Djavax.net.ssl.trustStore={store}",
+        "--host_jvm_args=-Djavax.net.ssl.trustStorePassword=changeit",
+    ]
+    url = f"https://{server.http_address}/inst"
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+
+    def entries() -> int:
+        return int(status(server.http_address, bearer(ci), scheme="https", context=context)["ac_entries"])
+
+    def missing() -> float:
+        labels = {"protocol": "http", "reason": "missing"}
+        return metric(
+            server.http_address, "buildvault_auth_refusals_total", labels, {"Authorization": bearer(ci)},
+            scheme="https", context=context,
+        )  # fmt: skip
+
+    # The client certificate alone: Bazel never presents it, so it is refused and builds locally.
+    before = missing()
+    certificate_only = bazel_workspace_factory("cert", startup_options=jvm).build(
+        f"--tls_client_certificate={client.cert}", f"--tls_client_key={client.key}", remote_cache=url, check=True
+    )
+    assert certificate_only.processes.executed == CACHEABLE_SPAWNS, certificate_only.processes.line
+    assert certificate_only.processes.cache_hits == 0
+    assert missing() > before
+    assert entries() == 0
+
+    # A server certificate and a bearer token: writes, then a clean rebuild is all remote hits.
+    ws = bazel_workspace_factory("token", startup_options=jvm)
+    cold = ws.build(f"--remote_header=authorization=Bearer {ci}", remote_cache=url, check=True).processes
+    assert cold.executed == CACHEABLE_SPAWNS, cold.line
+    assert entries() == CACHEABLE_SPAWNS
+    ws.clean()
+    warm = ws.build(f"--remote_header=authorization=Bearer {ci}", remote_cache=url, check=True).processes
+    assert warm.as_dict() == ALL_HITS, warm.line
+

@@ -161,10 +161,18 @@ def basic(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
-def metric(http_address: str, name: str, labels: dict[str, str], headers: dict[str, str] | None = None) -> float:
+def metric(  # type: ignore[no-untyped-def]
+    http_address: str,
+    name: str,
+    labels: dict[str, str],
+    headers: dict[str, str] | None = None,
+    *,
+    scheme: str = "http",
+    context=None,
+) -> float:
     """The value of one sample on /metrics (0 when absent)."""
-    request = urllib.request.Request(f"http://{http_address}/metrics", headers=headers or {})
-    with urllib.request.urlopen(request, timeout=10) as response:
+    request = urllib.request.Request(f"{scheme}://{http_address}/metrics", headers=headers or {})
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
         text = response.read().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -229,6 +229,12 @@ async def test_refusals_are_counted_by_reason_and_logged_with_principal(server, 
         "ci's log line",
     )
     assert any(r.get("principal") == "anonymous" and r.get("refused") == "missing" for r in lines())
+    # The reader was authenticated and lacked write: its refusal is logged under its own name.
+    assert any(
+        r.get("principal") == "reader" and r.get("refused") == "denied" and r["rpc"] == "UpdateActionResult"
+        for r in lines()
+    )
+    assert not any(r.get("principal") == "anonymous" and r.get("refused") == "denied" for r in lines())
     assert all(creds.ci not in json.dumps(r) and creds.reader not in json.dumps(r) for r in lines())
 
 

@@ -105,6 +105,24 @@ def test_metrics_can_be_opened_alone(tmp_path, files):
         assert call(server, "GET", "/status")[0] == 401
 
 
+def test_refusals_are_counted_under_their_route(server, files):
+    def count(kind: str, code: str) -> float:
+        labels = {"protocol": "http", "method": "PUT" if code == "403" else "GET", "kind": kind, "status": code}
+        return metric(server.http_address, "buildvault_requests_total", labels, {"Authorization": bearer(files["ci"])})
+
+    ac = "/ac/" + hashlib.sha256(b"route").hexdigest()
+    before = {(k, c): count(k, c) for k in ("ac", "cas", "status", "metrics") for c in ("401", "403")}
+    assert call(server, "PUT", ac, bearer(files["reader"]), b"entry")[0] == 403
+    assert call(server, "PUT", cas_path(b"r"), bearer(files["reader"]), b"r")[0] == 403
+    assert call(server, "GET", cas_path(b"r"))[0] == 401
+    assert call(server, "GET", "/status")[0] == 401
+    assert call(server, "GET", "/metrics", bearer("wrong"))[0] == 401
+    after = {key: count(*key) for key in before}
+    changed = {key for key in before if after[key] != before[key]}
+    assert changed == {("ac", "403"), ("cas", "403"), ("cas", "401"), ("status", "401"), ("metrics", "401")}
+    assert all(after[key] == before[key] + 1 for key in changed)
+
+
 def test_wrong_password_is_counted(server, files):
     def count() -> float:
         return metric(
@@ -149,6 +167,7 @@ def test_request_log_lines_carry_the_principal_never_the_secret(tmp_path, files)
         assert call(server, "GET", cas_path(b"z"), bearer(files["reader"]))[0] == 404
         assert call(server, "GET", cas_path(b"z"), basic("alice", "alice-pw"))[0] == 404
         assert call(server, "GET", cas_path(b"z"), bearer("wrong-token"))[0] == 401
+        assert call(server, "PUT", cas_path(b"z"), bearer(files["reader"]), b"z")[0] == 403
 
         def lines() -> list[dict]:
             return [
@@ -159,8 +178,11 @@ def test_request_log_lines_carry_the_principal_never_the_secret(tmp_path, files)
 
         from polling import wait_for
 
-        wait_for(lambda: len(lines()) >= 3, 10, "three request log lines")
-        assert [r.get("principal") for r in lines()[:3]] == ["reader", "alice", "anonymous"]
+        wait_for(lambda: len(lines()) >= 4, 10, "four request log lines")
+        assert [r.get("principal") for r in lines()[:4]] == ["reader", "alice", "anonymous", "reader"]
         assert lines()[2]["refused"] == "bad_credentials"
+        # An authenticated caller refused for lacking a permission is logged under its own name
+        # and its route (cas), not as anonymous on `other`.
+        assert lines()[3]["refused"] == "denied" and lines()[3]["rpc"] == "HTTP PUT cas"
         text = server.output()
         assert files["reader"] not in text and "alice-pw" not in text and "wrong-token" not in text

@@ -126,6 +126,7 @@ class _Check:
             logs.set_principal(ANONYMOUS)
             return None
         started = time.perf_counter()
+        principal: str | None = None
         try:
             cn = _cert_cn(context) if policy.certificates_identify else None
             principal = await policy.authenticate(_authorization(context), cn)
@@ -138,7 +139,8 @@ class _Check:
             code = grpc.StatusCode.UNAUTHENTICATED if refusal.unauthenticated else grpc.StatusCode.PERMISSION_DENIED
             token = logs.begin_request()
             if token is not None:
-                logs.note(principal=ANONYMOUS, refused=refusal.reason)
+                # An authenticated caller that lacks the permission is named, not "anonymous".
+                logs.note(principal=principal or ANONYMOUS, refused=refusal.reason)
                 logs.end_request(token, self.method.rpartition("/")[2], code.name, started, context.peer())
             await context.abort(code, str(refusal))
         logs.set_principal(principal or ANONYMOUS)

@@ -2,7 +2,8 @@
 
 GET and HEAD read; every other method writes (PUT stores; the rest get 405 from the handler
 once allowed). The instance comes from the cache path; a path that does not parse needs the
-permission on some instance and then gets the handler's own 400. `/status` and `/metrics`
+permission on some instance and then gets the handler's own 400. A refusal's log line names
+the caller when it was authenticated (it lacked the permission), else `anonymous`. `/status` and `/metrics`
 need read on some instance (`--metrics-require-auth false` opens `/metrics`). Refusals are 401
 with `WWW-Authenticate: Basic realm="buildvault"` or 403 naming the permission and instance.
 """
@@ -15,7 +16,6 @@ from typing import Any
 from aiohttp import web
 
 from buildvault import logs
-from buildvault.digest import InvalidDigest
 from buildvault.server.auth.grants import Permission
 from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
@@ -25,10 +25,9 @@ __all__ = ["HEALTHZ", "auth_middleware", "healthz"]
 
 HEALTHZ = "/healthz"
 CHALLENGE = {"WWW-Authenticate": 'Basic realm="buildvault"'}
-_PAGES = frozenset({"/", "/status", "/status.html", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-InstanceOf = Callable[[str], str]
+Route = Callable[[web.Request], str | None]
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -53,8 +52,10 @@ def _authorization(request: web.Request) -> str | None:
     return values[0] if values else None
 
 
-def auth_middleware(auth: Auth, instance_of: InstanceOf) -> Any:
-    """`instance_of(raw_path)`: the cache path's instance name, InvalidDigest when it is no cache path."""
+def auth_middleware(auth: Auth, route: Route) -> Any:
+    """`route(request)`: the instance name of a cache path, None for a page or a path that does
+    not parse. It also labels the request's route for the request metrics, so a refusal is
+    counted under the route it was refused on."""
     open_metrics = not auth.settings.metrics_require_auth
 
     @web.middleware
@@ -65,12 +66,8 @@ def auth_middleware(auth: Auth, instance_of: InstanceOf) -> Any:
             logs.note(principal=ANONYMOUS)
             return await handler(request)
         permission = Permission.READ if request.method in ("GET", "HEAD") else Permission.WRITE
-        instance: str | None = None
-        if path not in _PAGES:
-            try:
-                instance = instance_of(request.rel_url.raw_path)
-            except InvalidDigest:
-                instance = None
+        instance = route(request)
+        principal: str | None = None
         try:
             cn = _cert_cn(request)
             if cn is None and auth.requires_client_certificate:
@@ -79,7 +76,7 @@ def auth_middleware(auth: Auth, instance_of: InstanceOf) -> Any:
             policy.authorize(principal, permission, instance)
         except Refusal as refusal:
             auth.refused("http", refusal)
-            logs.note(principal=ANONYMOUS, refused=refusal.reason)
+            logs.note(principal=principal or ANONYMOUS, refused=refusal.reason)
             if refusal.unauthenticated:
                 return web.Response(status=401, text=str(refusal) + "\n", headers=CHALLENGE)
             return web.Response(status=403, text=str(refusal) + "\n")

@@ -13,6 +13,7 @@ from aiohttp.typedefs import Middleware
 
 from buildvault import logs
 from buildvault.actions import ActionCache
+from buildvault.digest import InvalidDigest
 from buildvault.server.auth import Auth
 from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
 from buildvault.server.http.handlers import DEFAULT_MAX_ENTRY_SIZE, CacheHandlers
@@ -66,6 +67,27 @@ def _request_middleware(metrics: Metrics) -> Middleware:
     return middleware
 
 
+# The pages and the `kind` label of their requests (their handlers set the same).
+_PAGE_KINDS = {"/status": "status", "/status.html": "status", "/": "status", "/metrics": "metrics",
+               "/status/history": "status"}
+
+
+def _route(request: web.Request) -> str | None:
+    """For the auth middleware: labels the request's kind before any check (so a refused request
+    is counted under its route, not `other`) and answers the instance of a cache path (None for
+    a page or a path that does not parse, which then needs the permission on some instance)."""
+    kind = _PAGE_KINDS.get(request.path)
+    if kind is not None:
+        request[REQUEST_KIND] = kind
+        return None
+    try:
+        path = parse_cache_path(request.rel_url.raw_path)
+    except InvalidDigest:
+        return None
+    request[REQUEST_KIND] = path.kind
+    return path.instance
+
+
 def create_app(
     cas: BlobStore,
     action_store: ActionStore,
@@ -98,7 +120,7 @@ def create_app(
     )
     middlewares = [_request_middleware(metrics)]
     if auth is not None and auth.enabled:  # inside the request log/metrics middleware: refusals are counted
-        middlewares.append(auth_middleware(auth, lambda raw: parse_cache_path(raw).instance))
+        middlewares.append(auth_middleware(auth, _route))
     app = web.Application(middlewares=middlewares)
     app[HANDLERS_KEY] = handlers
     app.router.add_get(HEALTHZ, healthz)  # always open
