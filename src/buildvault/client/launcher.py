@@ -48,11 +48,6 @@ TYPE_CHECKING = False  # no `import typing` at run time
 if TYPE_CHECKING:
     from typing import Any
 
-_AGENT_MODULES = ("agent.py", "hits.py", "store.py", "keys.py", "includes.py", "outputs.py", "toolchain.py",
-                  "preprocessed.py", "compile_args.py", "remote.py", "roots.py",
-                  "run/agent_step.py", "run/step.py", "run/key.py", "run/outputs.py", "run/tree.py", "run/spec.py")
-
-
 def _fnv1a(data: bytes) -> int:
     h = 0x811C9DC5
     for b in data:
@@ -63,7 +58,7 @@ def _fnv1a(data: bytes) -> int:
 def _socket_path() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     code = 0
-    for module in _AGENT_MODULES:  # new agent code gets a new agent
+    for module in protocol.AGENT_MODULES:  # new agent code gets a new agent
         try:  # noqa: SIM105 - contextlib would be one more import per compile
             code ^= os.stat(os.path.join(here, module)).st_mtime_ns
         except OSError:

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from .protocol import AGENT_MODULES
+
 NAME = "buildvault-cc-native"
 
 
@@ -43,15 +45,13 @@ def config_header(python: str, client_dir: str, modules: tuple[str, ...]) -> str
 
 def install(directory: str | None) -> int:
     """Build DIR/buildvault-cc-native (default: beside this command) and print its path; 0, or 1."""
-    from .launcher import _AGENT_MODULES
-
     client_dir = os.path.dirname(os.path.abspath(__file__))
     directory = directory or os.path.dirname(os.path.abspath(sys.argv[0]))
     target = os.path.join(directory, NAME)
     compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or "cc"]
     with tempfile.TemporaryDirectory(prefix="buildvault-native-") as scratch:
         with open(os.path.join(scratch, "bv_config.h"), "w") as f:
-            f.write(config_header(sys.executable, client_dir, _AGENT_MODULES))
+            f.write(config_header(sys.executable, client_dir, AGENT_MODULES))
         built = os.path.join(scratch, NAME)
         source = os.path.join(client_dir, "native_launcher.c")
         command = [*compiler, "-O2", "-Wall", "-Wextra", "-I", scratch, "-o", built, source]

@@ -42,6 +42,11 @@ if TYPE_CHECKING:
     from typing import Any
 
 MAX_MESSAGE = 256 * 1024 * 1024
+# The agent's code, relative to this directory: a change to any of these files gives the agent a
+# new socket name (launcher.py) and so a new agent; buildvault-cc-native has the list compiled in.
+AGENT_MODULES = ("agent.py", "hits.py", "store.py", "keys.py", "includes.py", "outputs.py", "toolchain.py",
+                 "preprocessed.py", "compile_args.py", "remote.py", "roots.py",
+                 "run/agent_step.py", "run/step.py", "run/key.py", "run/outputs.py", "run/tree.py", "run/spec.py")
 
 
 def send(sock: _socket.socket, message: dict[str, Any]) -> None:
