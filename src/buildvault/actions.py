@@ -99,10 +99,6 @@ async def read_blob(store: BlobStore, digest: Digest, max_size: int | None = Non
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _digest_message(digest: Digest) -> re_pb2.Digest:
-    return re_pb2.Digest(hash=digest.hash, size_bytes=digest.size_bytes)
-
-
 async def _single(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
@@ -407,17 +403,17 @@ class ActionCache:
 
         if result.stdout_raw:
             digest = take(result.stdout_raw, result.stdout_digest, result.HasField("stdout_digest"), "stdout_raw")
-            result.stdout_digest.CopyFrom(_digest_message(digest))
+            result.stdout_digest.CopyFrom(digest.to_proto(re_pb2.Digest))
             result.ClearField("stdout_raw")
         if result.stderr_raw:
             digest = take(result.stderr_raw, result.stderr_digest, result.HasField("stderr_digest"), "stderr_raw")
-            result.stderr_digest.CopyFrom(_digest_message(digest))
+            result.stderr_digest.CopyFrom(digest.to_proto(re_pb2.Digest))
             result.ClearField("stderr_raw")
         for output in result.output_files:
             if output.contents:
                 what = f"output file {output.path[:200]!r}"
                 digest = take(output.contents, output.digest, output.HasField("digest"), what)
-                output.digest.CopyFrom(_digest_message(digest))
+                output.digest.CopyFrom(digest.to_proto(re_pb2.Digest))
                 output.ClearField("contents")
         for digest, data in uploads.items():
             if not is_empty(digest):

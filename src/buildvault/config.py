@@ -40,6 +40,15 @@ def parse_size(text: str | int) -> int:
     return int(float(number) * scale)
 
 
+def format_size(n: float) -> str:
+    """A byte count as people read it: `512 B`, `1.5 KiB`, `20.0 GiB` (powers of 1024, up to TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def parse_bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text

@@ -10,14 +10,17 @@ import enum
 import hashlib
 import re
 import uuid as uuid_mod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import blake3
 
 if TYPE_CHECKING:
     # Types only: digest rules stay free of the generated modules at run time.
     from buildvault.remote_apis import re_pb2
+
+_Message = TypeVar("_Message")
 
 
 class InvalidDigest(ValueError):
@@ -137,7 +140,9 @@ class Digest:
         """From a REAPI Digest message (anything with .hash and .size_bytes)."""
         return cls.parse(message.hash, message.size_bytes, function)  # type: ignore[attr-defined]
 
-    def to_proto(self, message_type: type) -> object:
+    def to_proto(self, message_type: Callable[..., _Message]) -> _Message:
+        """The REAPI Digest message: `digest.to_proto(re_pb2.Digest)` (the type is handed in, so
+        this module needs no generated code at run time)."""
         return message_type(hash=self.hash, size_bytes=self.size_bytes)
 
     def __hash__(self) -> int:

@@ -21,7 +21,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
 def _index_action() -> tuple[bytes, bytes]:
     command = re_pb2.Command(arguments=[INDEX_COMMAND]).SerializeToString(deterministic=True)
     cd = Digest.of(command)
-    action = re_pb2.Action(command_digest=re_pb2.Digest(hash=cd.hash, size_bytes=cd.size_bytes), do_not_cache=False)
+    action = re_pb2.Action(command_digest=cd.to_proto(re_pb2.Digest), do_not_cache=False)
     return action.SerializeToString(deterministic=True), command
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from buildvault.client.roots import Roots
 from buildvault.client.run.outputs import UnusableResult, clean_relative, collect, restore
-from buildvault.client.run.tree import to_proto
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
@@ -20,7 +19,7 @@ def fetch_from(blobs: dict[Digest, bytes]) -> Callable[[Iterable[Digest]], dict[
 
 def file_result(path: str, data: bytes) -> tuple[re_pb2.ActionResult, dict[Digest, bytes]]:
     d = Digest.of(data)
-    result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path=path, digest=to_proto(d))])
+    result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path=path, digest=d.to_proto(re_pb2.Digest))])
     return result, {d: data}
 
 
@@ -43,7 +42,8 @@ def test_nothing_written_when_one_blob_is_wrong(tmp_path: Path) -> None:
     good, bad = b"good", b"bad!"
     dg, db = Digest.of(good), Digest.of(bad)
     result = re_pb2.ActionResult(output_files=[
-        re_pb2.OutputFile(path="a", digest=to_proto(dg)), re_pb2.OutputFile(path="b", digest=to_proto(db)),
+        re_pb2.OutputFile(path="a", digest=dg.to_proto(re_pb2.Digest)),
+        re_pb2.OutputFile(path="b", digest=db.to_proto(re_pb2.Digest)),
     ])
     with pytest.raises(UnusableResult):
         restore(result, str(tmp_path), ["a", "b"], None, Roots([]), fetch_from({dg: good, db: b"BAD!"}))

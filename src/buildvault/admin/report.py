@@ -12,6 +12,8 @@ from typing import IO, Any, Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from buildvault.config import format_size
+
 
 class Advance(Protocol):
     def __call__(self, steps: int = 1, total: int | None = None) -> None: ...
@@ -54,9 +56,4 @@ def emit(summary: str, document: dict[str, Any], as_json: bool, stream: IO[str] 
 def human_bytes(value: int | float | None) -> str:
     if value is None:
         return "-"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"  # pragma: no cover
+    return format_size(float(value))

@@ -269,11 +269,11 @@ def build_tree(files: dict[str, tuple[Digest, bool]]) -> tuple[Digest, dict[Dige
                 here.append((head, value[0], value[1]))
         d = re_pb2.Directory(
             files=[
-                re_pb2.FileNode(name=n, digest=re_pb2.Digest(hash=dg.hash, size_bytes=dg.size_bytes), is_executable=x)
+                re_pb2.FileNode(name=n, digest=dg.to_proto(re_pb2.Digest), is_executable=x)
                 for n, dg, x in sorted(here)
             ],
             directories=[
-                re_pb2.DirectoryNode(name=n, digest=re_pb2.Digest(hash=dg.hash, size_bytes=dg.size_bytes))
+                re_pb2.DirectoryNode(name=n, digest=dg.to_proto(re_pb2.Digest))
                 for n, dg in sorted((n, build(sub)) for n, sub in subdirs.items())
             ],
         )
@@ -313,8 +313,8 @@ def action_key(
     command_digest = Digest.of(command_data)
     root, blobs = build_tree(inputs)
     action = re_pb2.Action(
-        command_digest=re_pb2.Digest(hash=command_digest.hash, size_bytes=command_digest.size_bytes),
-        input_root_digest=re_pb2.Digest(hash=root.hash, size_bytes=root.size_bytes),
+        command_digest=command_digest.to_proto(re_pb2.Digest),
+        input_root_digest=root.to_proto(re_pb2.Digest),
         platform=plat,
     )
     action_data = serialize(action)

@@ -82,10 +82,6 @@ def _error(call: str, e: grpc.RpcError) -> RemoteError:
     return kind(f"{call}: {e.code().name}: {e.details()}")
 
 
-def to_proto(d: Digest) -> re_pb2.Digest:
-    return re_pb2.Digest(hash=d.hash, size_bytes=d.size_bytes)
-
-
 def from_proto(p: re_pb2.Digest) -> Digest:
     return Digest.parse(p.hash, p.size_bytes, DigestFunction.SHA256)
 
@@ -123,7 +119,7 @@ class Remote:
         """The cached result, asking the server to inline stdout, stderr and `inline_files`."""
         request = re_pb2.GetActionResultRequest(
             instance_name=self.instance,
-            action_digest=to_proto(digest),
+            action_digest=digest.to_proto(re_pb2.Digest),
             inline_stdout=True,
             inline_stderr=True,
             inline_output_files=list(inline_files),
@@ -143,7 +139,7 @@ class Remote:
         """Several UpdateActionResult calls in flight at once."""
         futures = [
             self.ac.UpdateActionResult.future(
-                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=to_proto(d),
+                re_pb2.UpdateActionResultRequest(instance_name=self.instance, action_digest=d.to_proto(re_pb2.Digest),
                                                  action_result=r),
                 timeout=self.upload_timeout,
                 metadata=self.metadata,
@@ -169,7 +165,7 @@ class Remote:
         for start in range(0, len(unique), 5000):
             part = unique[start:start + 5000]
             request = re_pb2.FindMissingBlobsRequest(instance_name=self.instance,
-                                                     blob_digests=[to_proto(d) for d in part])
+                                                     blob_digests=[d.to_proto(re_pb2.Digest) for d in part])
             try:
                 response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
             except grpc.RpcError as e:
@@ -206,7 +202,9 @@ class Remote:
     def _batch_update(self, batch: list[tuple[Digest, bytes]]) -> None:
         request = re_pb2.BatchUpdateBlobsRequest(
             instance_name=self.instance,
-            requests=[re_pb2.BatchUpdateBlobsRequest.Request(digest=to_proto(d), data=b) for d, b in batch],
+            requests=[
+                re_pb2.BatchUpdateBlobsRequest.Request(digest=d.to_proto(re_pb2.Digest), data=b) for d, b in batch
+            ],
         )
         try:
             response = self.cas.BatchUpdateBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
@@ -268,7 +266,8 @@ class Remote:
         return out
 
     def _batch_read(self, batch: list[Digest]) -> dict[Digest, bytes]:
-        request = re_pb2.BatchReadBlobsRequest(instance_name=self.instance, digests=[to_proto(d) for d in batch])
+        digests = [d.to_proto(re_pb2.Digest) for d in batch]
+        request = re_pb2.BatchReadBlobsRequest(instance_name=self.instance, digests=digests)
         try:
             response = self.cas.BatchReadBlobs(request, timeout=self.timeout, metadata=self.metadata)
         except grpc.RpcError as e:

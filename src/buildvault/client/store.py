@@ -21,7 +21,7 @@ from . import includes, preprocessed
 from .compile_args import parse_depfile
 from .hits import Entry, HitFinder, check_time_macros
 from .keys import EXACT, FileHasher, FileInfo, Prepared, Uncacheable, action_key
-from .remote import Remote, to_proto
+from .remote import Remote
 from .toolchain import CompilerIdentity
 
 MANIFEST_ENTRIES = 8
@@ -104,7 +104,7 @@ class Storer:
                 data = roots.normalize_bytes(data)
             d = Digest.of(data)
             blobs[d] = data
-            out_files.append(re_pb2.OutputFile(path=os.path.relpath(path, p.cwd), digest=to_proto(d)))
+            out_files.append(re_pb2.OutputFile(path=os.path.relpath(path, p.cwd), digest=d.to_proto(re_pb2.Digest)))
         stdout_n, stderr_n = roots.normalize_bytes(job.stdout), roots.normalize_bytes(job.stderr)
         stdout_d, stderr_d = Digest.of(stdout_n), Digest.of(stderr_n)
         blobs[stdout_d] = stdout_n
@@ -136,12 +136,12 @@ class Storer:
         result = re_pb2.ActionResult(
             output_files=out_files,
             exit_code=0,
-            stdout_digest=to_proto(stdout_d),
-            stderr_digest=to_proto(stderr_d),
+            stdout_digest=stdout_d.to_proto(re_pb2.Digest),
+            stderr_digest=stderr_d.to_proto(re_pb2.Digest),
             execution_metadata=meta,
         )
         manifest_result = re_pb2.ActionResult(
-            output_files=[re_pb2.OutputFile(path="manifest.json", digest=to_proto(manifest_digest))]
+            output_files=[re_pb2.OutputFile(path="manifest.json", digest=manifest_digest.to_proto(re_pb2.Digest))]
         )
         self.remote.update_action_results([(key.digest, result), (mkey.digest, manifest_result)])
         self.hits.manifests[mkey.digest] = entries

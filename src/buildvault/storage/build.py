@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from buildvault.config import Settings
+from buildvault.config import Settings, format_size
 from buildvault.digest import Digest
 from buildvault.storage import ActionStore, BlobStore, StorageError
 from buildvault.storage.empty_blob import EmptyBlobStore
@@ -140,7 +140,7 @@ async def _open_disk(settings: Settings, validate_entry: EntryValidator | None) 
     return StoreStack(
         storage.cas,
         storage.ac,
-        label=f"disk {directory} (max {_size(settings.max_size)})",
+        label=f"disk {directory} (max {format_size(settings.max_size)})",
         max_blob_size=settings.max_size,  # no blob larger than the whole cache can be stored
         local_stats=storage.stats,
         protect=storage.protect,
@@ -148,10 +148,3 @@ async def _open_disk(settings: Settings, validate_entry: EntryValidator | None) 
         closers=[storage.close],
     )
 
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)

@@ -27,7 +27,7 @@ from ..roots import Roots
 from .key import InputWalker
 from .outputs import UnusableResult, add_tree, restore
 from .spec import DEFAULT_EXCLUDES, SpecError, parse_platform
-from .tree import TreeBuilder, serialize, to_proto
+from .tree import TreeBuilder, serialize
 
 KEY_VERSION = "buildvault-artifact/1"
 ARTIFACT_DIR = "artifact"
@@ -75,7 +75,9 @@ def artifact_key(name: str, key_trees: list[str], key_values: list[tuple[str, st
     command = re_pb2.Command(arguments=[KEY_VERSION, name], output_directories=[ARTIFACT_DIR], platform=plat)
     command_data = serialize(command)
     cd = Digest.of(command_data)
-    action = re_pb2.Action(command_digest=to_proto(cd), input_root_digest=to_proto(root), platform=plat)
+    action = re_pb2.Action(
+        command_digest=cd.to_proto(re_pb2.Digest), input_root_digest=root.to_proto(re_pb2.Digest), platform=plat
+    )
     action_data = serialize(action)
     digest = Digest.of(action_data)
     blobs[cd] = command_data
@@ -152,7 +154,7 @@ def set_pin(remote: Remote, name: str, label: str, key: Digest, tree: re_pb2.Dig
     key_blob = f"{key.hash}/{key.size_bytes}".encode()
     kd = Digest.of(key_blob)
     remote.upload({kd: key_blob} if remote.find_missing([kd]) else {})
-    kept.output_files.add(path=f"{path}.key", digest=to_proto(kd))
+    kept.output_files.add(path=f"{path}.key", digest=kd.to_proto(re_pb2.Digest))
     _write_index(remote, kept)
 
 
@@ -204,11 +206,11 @@ def push(args: argparse.Namespace, env: Mapping[str, str], remote: Remote) -> in
     blobs.update(key.blobs)
     remote.upload({d: blobs[d] for d in remote.find_missing(blobs)})
     result = re_pb2.ActionResult()
-    result.output_directories.add(path=ARTIFACT_DIR, tree_digest=to_proto(tree_digest))
+    result.output_directories.add(path=ARTIFACT_DIR, tree_digest=tree_digest.to_proto(re_pb2.Digest))
     remote.update_action_result(key.digest, result)
     shown = f"{key.digest.hash}/{key.digest.size_bytes}"
     if args.pin:
-        set_pin(remote, args.name, args.pin, key.digest, to_proto(tree_digest))
+        set_pin(remote, args.name, args.pin, key.digest, tree_digest.to_proto(re_pb2.Digest))
     pinned = f" pin={args.pin}" if args.pin else ""
     print(f"[buildvault] PUSHED artifact={args.name} key={shown} files={count}{pinned}")
     return HIT

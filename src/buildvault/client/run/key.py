@@ -26,7 +26,7 @@ from buildvault.remote_apis import re_pb2
 from ..keys import FileHasher
 from ..roots import Roots, find_cmake_roots, parse_roots
 from .spec import SpecError, StepSpec
-from .tree import TreeBuilder, serialize, to_proto
+from .tree import TreeBuilder, serialize
 
 KEY_VERSION = "buildvault-run/1"
 LINK_TARGET_PROPERTY = "target-digest"
@@ -202,8 +202,11 @@ def step_key(spec: StepSpec, env: Mapping[str, str], hasher: FileHasher | None =
     )
     command_data = serialize(command)
     command_digest = Digest.of(command_data)
-    action = re_pb2.Action(command_digest=to_proto(command_digest), input_root_digest=to_proto(root_digest),
-                           platform=platform)
+    action = re_pb2.Action(
+        command_digest=command_digest.to_proto(re_pb2.Digest),
+        input_root_digest=root_digest.to_proto(re_pb2.Digest),
+        platform=platform,
+    )
     action_data = serialize(action)
     digest = Digest.of(action_data)
     blobs[command_digest] = command_data

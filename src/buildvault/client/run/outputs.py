@@ -19,7 +19,7 @@ from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 
 from ..roots import Roots
-from .tree import TreeBuilder, serialize, to_proto
+from .tree import TreeBuilder, serialize
 
 Fetch = Callable[[Iterable[Digest]], dict[Digest, bytes]]
 
@@ -108,13 +108,13 @@ def collect(workdir: str, paths: list[str], roots: Roots) -> Collected:
             data = serialize(builder.tree())
             digest = Digest.of(data)
             out.blobs[digest] = data
-            out.result.output_directories.add(path=rel, tree_digest=to_proto(digest))
+            out.result.output_directories.add(path=rel, tree_digest=digest.to_proto(re_pb2.Digest))
         elif os.path.isfile(full):
             data = _read(full)
             digest = Digest.of(data)
             out.blobs[digest] = data
             executable = bool(os.stat(full).st_mode & 0o111)
-            out.result.output_files.add(path=rel, digest=to_proto(digest), is_executable=executable)
+            out.result.output_files.add(path=rel, digest=digest.to_proto(re_pb2.Digest), is_executable=executable)
             out.count += 1
         else:
             raise OutputError(f"declared output was not created: {rel}")

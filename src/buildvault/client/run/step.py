@@ -26,7 +26,6 @@ from .lock import KeyLock
 from .outputs import Collected, OutputError, UnusableResult, collect, discovered, restore, snapshot
 from .report import SETUP_FAILED, Ran, StepReport, echo, run_command, warn_once
 from .spec import SpecError, StepSpec
-from .tree import to_proto
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -191,7 +190,7 @@ class Step(StepReport):
             if data:
                 digest = Digest.of(data)
                 blobs[digest] = data
-                getattr(result, field_name).CopyFrom(to_proto(digest))
+                getattr(result, field_name).CopyFrom(digest.to_proto(re_pb2.Digest))
         result.exit_code = 0
         meta = result.execution_metadata
         meta.worker = "buildvault-run"

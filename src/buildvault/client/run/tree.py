@@ -17,10 +17,6 @@ def serialize(message: re_pb2.Directory | re_pb2.Tree | re_pb2.Command | re_pb2.
     return message.SerializeToString(deterministic=True)
 
 
-def to_proto(d: Digest) -> re_pb2.Digest:
-    return re_pb2.Digest(hash=d.hash, size_bytes=d.size_bytes)
-
-
 @dataclass
 class _Dir:
     files: dict[str, tuple[Digest, bool]] = field(default_factory=dict)
@@ -63,7 +59,7 @@ class TreeBuilder:
             if digest not in out:
                 children.append(sub)
             out[digest] = data
-            subdirs.append(re_pb2.DirectoryNode(name=name, digest=to_proto(digest)))
+            subdirs.append(re_pb2.DirectoryNode(name=name, digest=digest.to_proto(re_pb2.Digest)))
         links = []
         for name in sorted(node.links):
             target, props = node.links[name]
@@ -73,7 +69,7 @@ class TreeBuilder:
             links.append(link)
         return re_pb2.Directory(
             files=[
-                re_pb2.FileNode(name=n, digest=to_proto(d), is_executable=x)
+                re_pb2.FileNode(name=n, digest=d.to_proto(re_pb2.Digest), is_executable=x)
                 for n, (d, x) in sorted(node.files.items())
             ],
             directories=subdirs,

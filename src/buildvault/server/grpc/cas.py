@@ -258,7 +258,7 @@ def _encode_token(pending: list[Digest], root: Digest) -> str:
     """A page token: the directories still to visit, bound to the root they belong to."""
     state = re_pb2.FindMissingBlobsRequest(
         instance_name=f"{root.hash}/{root.size_bytes}",
-        blob_digests=[re_pb2.Digest(hash=d.hash, size_bytes=d.size_bytes) for d in pending],
+        blob_digests=[d.to_proto(re_pb2.Digest) for d in pending],
         digest_function=cast("re_pb2.DigestFunction.Value", root.function.wire),
     )
     packed = zlib.compress(state.SerializeToString(), 6)

@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from buildvault.config import format_size
 from buildvault.server.history import History
 from buildvault.server.http.charts import charts
 from buildvault.server.http.protocol import REQUEST_KIND
@@ -108,12 +109,7 @@ class StatusPages:
 def _human_bytes(value: Any) -> str:
     if value is None:
         return "–"
-    n = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(value)  # pragma: no cover
+    return format_size(float(value))
 
 
 def _human_seconds(value: Any) -> str:
