@@ -49,6 +49,23 @@ def format_size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from `90`, `90s`, `15m`, `12h`, `7d`, `2w`."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"duration must be >= 0, got {text}")
+        return float(text)
+    match = _DURATION.fullmatch(str(text))
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (examples: 3600, 12h, 7d)")
+    number, unit = match.groups()
+    return float(number) * _DURATION_UNITS[unit.lower()]
+
+
 def parse_bool(text: str | bool) -> bool:
     if isinstance(text, bool):
         return text
@@ -156,6 +173,18 @@ class Settings:
     )
     platform_minimum_keys: str = _setting("cores", str, "numeric platform keys a worker must meet or exceed", "KEYS")
     platform_ignore_keys: str = _setting("", str, "platform keys accepted and ignored", "KEYS")
+    # -- the history behind the build pages (buildvault.history) --
+    history: bool = _setting(True, parse_bool, "record request metadata and build events for the build pages", "BOOL")
+    history_retention: float = _setting(
+        parse_duration("7d"), parse_duration, "how long the history keeps a request, e.g. 7d, 12h", "AGE"
+    )
+    history_max_size: int = _setting(parse_size("1GiB"), parse_size, "the history database's size cap", "SIZE")
+    history_secret_patterns: str = _setting(
+        "*TOKEN*,*SECRET*,*PASSWORD*,*KEY*",
+        str,
+        "environment variable names (shell patterns, any case) whose values the build pages mask",
+        "PATTERNS",
+    )
 
     def __post_init__(self) -> None:
         if self.dir is None:

@@ -22,7 +22,6 @@ Entries of other kinds (`raw`: ccache's opaque entries) reference no blob and on
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -35,7 +34,7 @@ from google.protobuf.message import DecodeError
 from buildvault.admin.bucket import Bucket, BucketError, Obj
 from buildvault.admin.gc_pins import is_pin_index, pinned_entries
 from buildvault.admin.report import Advance, emit, human_bytes, progress
-from buildvault.config import Settings
+from buildvault.config import Settings, parse_duration
 from buildvault.remote_apis import re_pb2
 
 READ_THREADS = 16
@@ -44,18 +43,6 @@ READ_THREADS = 16
 # times as long: 16 at once made pages run past the read timeout on a loaded machine.
 LIST_THREADS = 4
 GcError = BucketError  # gc cannot run; the message names the setting
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
-_SCALE = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(text: str) -> float:
-    """Seconds from `90`, `90s`, `15m`, `12h`, `30d`, `2w`."""
-    match = _DURATION.fullmatch(text)
-    if not match:
-        raise ValueError(f"not a duration: {text!r} (examples: 3600, 12h, 30d)")
-    return float(match.group(1)) * _SCALE[match.group(2).lower()]
-
-
 @dataclass
 class Plan:
     """What gc decided (and, unless a dry run, did)."""

@@ -22,6 +22,7 @@ from buildvault import logs
 from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.config import Settings
 from buildvault.execution.runtime import ExecutionRuntime, ExecutionSetupError
+from buildvault.history import Recorder, recorder_from_settings
 from buildvault.private_socket import private_socket, remove_private_socket
 from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
@@ -117,6 +118,8 @@ class App:
                 storage_stats=stack.local_stats,
                 pins=self._pins.listing if self._pins else None,
                 auth=self.auth,
+                history=await self._open_history(),
+                secret_patterns=tuple(p for p in self.settings.history_secret_patterns.split(",") if p.strip()),
             )
             # Remote execution: the scheduler and local workers, before the listeners that serve them.
             try:
@@ -152,6 +155,15 @@ class App:
             self.settings, self.processes - 1, self.grpc_address, path, services.max_cas_blob_size, VERSION
         )
         await self.secondaries.start()
+
+    async def _open_history(self) -> Recorder | None:
+        """The history behind the build pages; a database that cannot be opened leaves it off (logged)."""
+        recorder = recorder_from_settings(self.settings)
+        if recorder is None:
+            return None
+        await recorder.start()
+        self._closers.append(recorder.close)
+        return recorder
 
     def _build_listeners(self, services: Services) -> list[Listener]:
         listeners: list[Listener] = []

@@ -29,6 +29,7 @@ from typing import Any
 from buildvault import logs
 from buildvault.actions import ActionCache
 from buildvault.config import Settings, load_settings
+from buildvault.history import recorder_from_settings
 from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import Uploads
@@ -77,7 +78,10 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
         version=str(config.get("version", "")),
         max_cas_blob_size=int(config["max_blob_size"]),
         auth=auth,
+        history=recorder_from_settings(settings, primary=False),
     )
+    if services.history is not None:
+        await services.history.start()
     listener = GrpcListener(config["address"], services, reuseport=True)
     stop = asyncio.Event()
     hurry = asyncio.Event()
@@ -126,6 +130,8 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
     hurried.cancel()
     await heap_trimmer.stop()
     await services.uploads.close()
+    if services.history is not None:
+        await services.history.close()
     await metrics.aclose()
     await client.aclose()
     return 0

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from buildvault.actions import ActionCache
 from buildvault.execution.runtime import ExecutionRuntime
+from buildvault.history import Recorder
 from buildvault.server.auth import Auth
 from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.metrics import Metrics
@@ -65,6 +66,8 @@ class Services:
     pins: PinsSource | None = None  # the pinned versions, for the status pages (server/pins.py)
     auth: Auth | None = None  # access control and TLS (server/auth); None: open, plaintext
     execution: ExecutionRuntime | None = None  # remote execution (buildvault.execution); None: off
+    history: Recorder | None = None  # request metadata for the build pages (buildvault.history); None: off
+    secret_patterns: tuple[str, ...] = ()  # environment names the build pages mask
 
 
 def format_address(host: str, port: int) -> str:

@@ -18,6 +18,7 @@ from buildvault.server.grpc.bytestream import ByteStreamService
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
 from buildvault.server.grpc.execution import add_execution_services
+from buildvault.server.grpc.recorded import recorded
 from buildvault.server.grpc.registration import WrappingServer
 from buildvault.server.grpc.request_metrics import metered
 from buildvault.server.services import Services, StartupError, format_address
@@ -63,7 +64,11 @@ class GrpcListener:
         metrics, auth = s.metrics, s.auth
         checking = auth if auth is not None and auth.enabled else None
 
+        history = s.history
+
         def wrap(method: str, handler: Any) -> Any:
+            if history is not None:  # inside the check: a refused call is not recorded
+                handler = recorded(history, method, handler)
             if checking is not None:
                 handler = checked(checking, method, handler)
             return metered(metrics, method, handler)  # outside the check: refusals count as requests too
