@@ -4,7 +4,7 @@
     await remove_private_socket(path)              # the socket and its directory
 
 Used for the local workers' way into a TLS-only gRPC listener (execution/runtime.py) and for the
-primary's store, served to its secondary processes (server/store_server.py): whoever can reach
+primary's store, served to its secondary processes (storage/processes/store_server.py): whoever can reach
 such a socket needs no credentials, so nobody else may.
 """
 

@@ -12,7 +12,7 @@ from s3_server import free_port, raw_client, session
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound, Unavailable
-from buildvault.storage.objectstore import S3_MIN_PART_SIZE, CorruptObject, ObjectStore
+from buildvault.storage.objectstore.store import S3_MIN_PART_SIZE, CorruptObject, ObjectStore
 
 # Fixtures from s3_server (bound by name so pytest finds them in this module).
 aws_env = s3_server.aws_env

@@ -38,7 +38,7 @@ from buildvault.remote_apis import bs_pb2, re_pb2
 
 MiB = 1 << 20
 CHANNELS = 16
-SECONDARY = "buildvault.server.secondary"
+SECONDARY = "buildvault.server.processes.secondary"
 
 
 def args(processes: int, max_size: str = "24MiB") -> list[str]:

@@ -25,9 +25,9 @@ from s3_server import bucket_keys, free_port, raw_client, session
 from buildvault.config import Settings
 from buildvault.digest import Digest
 from buildvault.storage import CHUNK_SIZE, NotFound, Unavailable, ac_namespace
-from buildvault.storage.journal import AC, CAS, JournalBusy, JournalEntry, UploadJournal
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
-from buildvault.storage.object_tier import ObjectTier, build_object_tier
+from buildvault.storage.objectstore.journal import AC, CAS, JournalBusy, JournalEntry, UploadJournal
+from buildvault.storage.objectstore.tier import ObjectTier, build_object_tier
 
 # Fixtures from s3_server (bound by name so pytest finds them in this module).
 aws_env = s3_server.aws_env
@@ -234,7 +234,7 @@ async def test_journal_survives_restart(tmp_path):
 KILL_SCRIPT = r"""
 import asyncio, sys
 from buildvault.digest import Digest
-from buildvault.storage.journal import UploadJournal
+from buildvault.storage.objectstore.journal import UploadJournal
 
 async def main():
     journal = await UploadJournal(sys.argv[1]).open()

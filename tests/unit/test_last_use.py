@@ -1,4 +1,4 @@
-"""storage/last_use.py: a served entry's bucket refresh is queued at most once per interval,
+"""storage/objectstore/last_use.py: a served entry's bucket refresh is queued at most once per interval,
 batched, bounded in parallel, skipped while the bucket is down, and retried after a failure."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 from buildvault.digest import Digest
 from buildvault.storage import Unavailable
-from buildvault.storage.last_use import LastUseRefresher
+from buildvault.storage.objectstore.last_use import LastUseRefresher
 
 A, B, C = (Digest.of(f"entry {i}".encode()) for i in range(3))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from buildvault.server.metrics import Metrics
-from buildvault.storage.journal import JournalStats
+from buildvault.storage.objectstore.journal import JournalStats
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -15,11 +15,11 @@ import pytest
 
 from buildvault.digest import Digest
 from buildvault.server.metrics import Metrics
-from buildvault.server.metrics_relay import RelayedMetrics
-from buildvault.server.store_server import StoreServer
+from buildvault.server.processes.relay import RelayedMetrics, RelayReceiver
 from buildvault.storage import CHUNK_SIZE, DigestMismatch, NotFound, StorageFull, Unavailable, single_chunk
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
-from buildvault.storage.remote_store import RemoteStoreClient
+from buildvault.storage.processes.client import RemoteStoreClient
+from buildvault.storage.processes.store_server import StoreServer
 
 
 class CountingStore(MemoryBlobStore):
@@ -54,7 +54,8 @@ class CountingStore(MemoryBlobStore):
 @contextlib.asynccontextmanager
 async def served(tmp_path: Path, metrics: Metrics | None = None):
     blobs, actions = CountingStore(), MemoryActionStore()
-    server = StoreServer(blobs, actions, metrics, str(tmp_path / "store.sock"))
+    recorder = RelayReceiver(metrics) if metrics is not None else None
+    server = StoreServer(blobs, actions, recorder, str(tmp_path / "store.sock"))
     await server.start()
     client = RemoteStoreClient(server.path, process=1)
     try:

@@ -1,4 +1,4 @@
-"""The frames between a secondary server process and the primary's store (storage/remote_wire.py),
+"""The frames between a secondary server process and the primary's store (storage/processes/wire.py),
 and the errors that cross them: the same classes, so the same gRPC and HTTP codes."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from buildvault.storage import (
     StorageFull,
     Unavailable,
 )
-from buildvault.storage import remote_wire as wire
-from buildvault.storage.remote_wire import Kind, RemoteError
+from buildvault.storage.processes import wire
+from buildvault.storage.processes.wire import Kind, RemoteError
 
 
 def digests(n: int) -> list[Digest]:

@@ -19,19 +19,19 @@ from s3_server import aws_env, create_bucket, s3_endpoint, session  # noqa: F401
 
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
-from buildvault.server.store_server import StoreServer
 from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound
 from buildvault.storage.build import open_store_stack
 from buildvault.storage.disk import DiskBlobStore, DiskStorage
 from buildvault.storage.empty_blob import EmptyBlobStore
-from buildvault.storage.existence_cache import ExistenceCache
 from buildvault.storage.fail_open import FailOpenBlobStore, SlowTierHealth
-from buildvault.storage.journal import UploadJournal
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 from buildvault.storage.metrics import MeteredBlobStore
-from buildvault.storage.object_tier import build_object_tier
-from buildvault.storage.remote_store import RemoteStoreClient
-from buildvault.storage.tiered import TieredBlobStore
+from buildvault.storage.objectstore.journal import UploadJournal
+from buildvault.storage.objectstore.presence import ExistenceCache
+from buildvault.storage.objectstore.tier import build_object_tier
+from buildvault.storage.objectstore.tiered import TieredBlobStore
+from buildvault.storage.processes.client import RemoteStoreClient
+from buildvault.storage.processes.store_server import StoreServer
 
 # Stores under the empty-blob rule: the empty blob is present before anyone writes it.
 INJECT_EMPTY = {"built", "empty-blob"}

@@ -18,8 +18,8 @@ import botocore.session
 import botocore.utils
 
 from buildvault.config import Settings
-from buildvault.storage.objectstore import normalize_prefix
-from buildvault.storage.objectstore_client import make_s3_client
+from buildvault.storage.objectstore.client import make_s3_client
+from buildvault.storage.objectstore.store import normalize_prefix
 
 
 def fast_timestamp(value: Any) -> datetime.datetime:
@@ -48,7 +48,7 @@ def _session() -> boto3.session.Session:
     return boto3.session.Session(botocore_session=core)
 
 
-# Where a bucket's keys mostly are (storage/objectstore.py's layout): content-addressed, so the
+# Where a bucket's keys mostly are (storage/objectstore/store.py's layout): content-addressed, so the
 # first hex digit after each of these splits its keys into 16 shards of about equal size.
 SHARDED = ("ac/ac/sha256/", "cas/sha256/")
 HEX = "0123456789abcdef"

@@ -32,11 +32,12 @@ from buildvault.server.heap_trim import HeapTrimmer
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
 from buildvault.server.pins import PinningActionStore, PinRegistry, PinWatcher
-from buildvault.server.processes import Secondaries, process_count
+from buildvault.server.processes.relay import RelayReceiver
+from buildvault.server.processes.supervisor import Secondaries, process_count
 from buildvault.server.services import Listener, Services, StartupError
-from buildvault.server.store_server import StoreServer
 from buildvault.storage import ActionStore, BlobStore
 from buildvault.storage.build import StackError, StoreStack, open_store_stack
+from buildvault.storage.processes.store_server import StoreServer
 
 __all__ = ["VERSION", "App", "Listener", "Services", "StartupError"]
 
@@ -74,7 +75,7 @@ class App:
         self._pins: PinRegistry | None = None
         self.auth: Auth | None = None
         self.execution: ExecutionRuntime | None = None
-        # Several processes (server/processes.py): the store served to the secondaries, and them.
+        # Several processes (server/processes/supervisor.py): the store served to the secondaries, and them.
         self.processes = 1
         self.store_server: StoreServer | None = None
         self.secondaries: Secondaries | None = None
@@ -149,7 +150,7 @@ class App:
         """Serve the store on a private socket, then start the secondaries on the bound gRPC port."""
         assert self.grpc_address is not None
         path = await private_socket("store.sock")
-        self.store_server = StoreServer(services.blobs, services.actions, self.metrics, path)
+        self.store_server = StoreServer(services.blobs, services.actions, RelayReceiver(self.metrics), path)
         await self.store_server.start()
         self.secondaries = Secondaries(
             self.settings, self.processes - 1, self.grpc_address, path, services.max_cas_blob_size, VERSION
@@ -255,4 +256,3 @@ class App:
             lines.append(f"  exec   {self.execution.banner()}")
         lines.append(f"  log    {self.settings.log_level}")
         logs.banner(lines)
-

@@ -377,7 +377,7 @@ class Metrics:
             f"{PREFIX}_store_action_lookups", "Action entry lookups in a store tier, by result (hit, miss).",
             ["tier", "result"], registry=r,
         )  # fmt: skip
-        # Several processes (server/processes.py): store calls the primary served for each secondary
+        # Several processes (server/processes/supervisor.py): store calls the primary served for each secondary
         # (process is its index, 1..N-1: a small fixed set).
         self.ipc_requests = Counter(
             f"{PREFIX}_store_ipc_requests", "Store calls served to a secondary server process, by its index.",

@@ -13,7 +13,7 @@ The CAS stack, outermost first (every tier metered under its own name):
 
     MeteredBlobStore("client")
       EmptyBlobStore                        the empty blob is always present
-        TieredBlobStore                     only with a bucket (storage/object_tier.py)
+        TieredBlobStore                     only with a bucket (storage/objectstore/tier.py)
           fast: MeteredBlobStore("local") > DiskBlobStore
           slow: MeteredBlobStore("object_store") > FailOpen > ExistenceCache > ObjectStore
 
@@ -35,7 +35,7 @@ from buildvault.digest import Digest
 from buildvault.storage import ActionStore, BlobStore, StorageError
 from buildvault.storage.empty_blob import EmptyBlobStore
 from buildvault.storage.metrics import CLIENT_TIER, MeteredActionStore, MeteredBlobStore, StoreRecorder
-from buildvault.storage.object_tier import ObjectTier, build_object_tier
+from buildvault.storage.objectstore.tier import ObjectTier, build_object_tier
 
 LOCAL_TIER = "local"
 

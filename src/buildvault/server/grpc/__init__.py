@@ -44,7 +44,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def server_options(reuseport: bool = False) -> list[tuple[str, Any]]:
-    """`reuseport`: several server processes share the port (server/processes.py); off otherwise,
+    """`reuseport`: several server processes share the port (server/processes/supervisor.py); off otherwise,
     so two servers can never silently share one."""
     return [
         ("grpc.so_reuseport", 1 if reuseport else 0),

@@ -51,7 +51,7 @@ class GrpcListener:
     def __init__(self, address: str, services: Services, *, reuseport: bool = False) -> None:
         self.requested = address
         self.services = services
-        self.reuseport = reuseport  # several processes share the port (server/processes.py)
+        self.reuseport = reuseport  # several processes share the port (server/processes/supervisor.py)
         self._server: grpc.aio.Server | None = None
         self._address: str | None = None
 

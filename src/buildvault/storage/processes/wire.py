@@ -1,5 +1,5 @@
-"""The frame format between a secondary server process and the primary's store (storage/remote_store.py
-is the client, server/store_server.py the server).
+"""The frame format between a secondary server process and the primary's store (storage/processes/client.py
+is the client, storage/processes/store_server.py the server).
 
 A connection carries one call at a time, as a sequence of frames:
 
@@ -75,7 +75,7 @@ class Kind:
     LOOKUP = 8  # u8 function | the hash as text (unvalidated: the store answers NotFound) -> OK digests(1)
     AC_GET = 9  # u16 namespace length | namespace | digests(1) -> OK bytes
     AC_PUT = 10  # u16 namespace length | namespace | digests(1) | bytes -> OK
-    METRICS = 11  # a secondary's request observations (server/store_server.py); no answer
+    METRICS = 11  # a secondary's request observations (storage/processes/store_server.py); no answer
     OK = 100
     ERROR = 101
     DATA = 102

@@ -14,7 +14,7 @@ The slow side is composed from one-behaviour decorators, outermost first:
           ObjectStore                       the bucket (boto3 off the event loop)
 
 and the action side is MeteredActionStore(FailOpenActionStore(ObjectStore)). A server that
-writes the bucket also renews the last use of the entries it serves (storage/last_use.py), so
+writes the bucket also renews the last use of the entries it serves (storage/objectstore/last_use.py), so
 `buildvault gc` never ages out an entry builds still hit.
 """
 
@@ -25,16 +25,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from buildvault.storage import ActionStore, BlobStore, StorageError
-from buildvault.storage.existence_cache import ExistenceCache, PresenceIndex
 from buildvault.storage.fail_open import FailOpenActionStore, FailOpenBlobStore, SlowTierHealth
-from buildvault.storage.journal import AC, CAS, JournalEntry, UploadJournal
-from buildvault.storage.last_use import LastUseRefresher
 from buildvault.storage.metrics import MeteredActionStore, MeteredBlobStore, StoreRecorder
-from buildvault.storage.tiered import TieredActionStore, TieredBlobStore
+from buildvault.storage.objectstore.journal import AC, CAS, JournalEntry, UploadJournal
+from buildvault.storage.objectstore.last_use import LastUseRefresher
+from buildvault.storage.objectstore.presence import ExistenceCache, PresenceIndex
+from buildvault.storage.objectstore.tiered import TieredActionStore, TieredBlobStore
 
 if TYPE_CHECKING:
     from buildvault.config import Settings
-    from buildvault.storage.objectstore import ObjectStore
+    from buildvault.storage.objectstore.store import ObjectStore
 
 OBJECT_STORE_TIER = "object_store"
 
@@ -143,7 +143,7 @@ def build_object_tier(
     settings.s3_request_budget) bounds bucket checks on a request path. Call `await tier.start()`."""
     if not settings.s3_bucket:
         return None
-    from buildvault.storage.objectstore import ObjectStore
+    from buildvault.storage.objectstore.store import ObjectStore
 
     store = object_store or ObjectStore.from_settings(settings, head_concurrency=head_concurrency, **store_options)
     read_only = settings.s3_read_only or store.read_only

@@ -1,6 +1,6 @@
 """The BlobStore and ActionStore of a secondary server process: every call goes to the primary's
-one store over a private Unix socket (frames: storage/remote_wire.py; server:
-server/store_server.py).
+one store over a private Unix socket (frames: storage/processes/wire.py; server:
+storage/processes/store_server.py).
 
     client = RemoteStoreClient("/run/.../store.sock", process=1)
     client.blobs, client.actions      the two protocols, batch paths included
@@ -25,8 +25,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import Unavailable, close_chunks
-from buildvault.storage import remote_wire as wire
-from buildvault.storage.remote_wire import Kind
+from buildvault.storage.processes import wire
+from buildvault.storage.processes.wire import Kind
 
 __all__ = ["RemoteActionStore", "RemoteBlobStore", "RemoteStoreClient"]
 

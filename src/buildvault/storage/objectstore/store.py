@@ -14,7 +14,7 @@ and every whole-blob read re-hashes the bytes. Action entries carry ``x-amz-meta
 (SHA-256 of the body), checked on every get when present. Several buildvault servers (and
 several digest functions) share one bucket safely; writes are idempotent overwrites.
 
-Every boto3 call runs in this store's thread pool (objectstore_client.py), never on the event loop. The pool's threads
+Every boto3 call runs in this store's thread pool (client.py), never on the event loop. The pool's threads
 are daemon threads: a call stuck on a hung bucket (botocore waits `read_timeout` per attempt)
 never holds up process exit after `close()`; its journal entry is simply still pending. Requests are
 counted by operation in `request_counts` (API calls, not HTTP retries). Objects that fail
@@ -48,8 +48,8 @@ from buildvault.storage import (
     StorageError,
     Unavailable,
 )
-from buildvault.storage.objectstore_client import DaemonThreadPool, make_s3_client
-from buildvault.storage.objectstore_errors import map_error
+from buildvault.storage.objectstore.client import DaemonThreadPool, make_s3_client
+from buildvault.storage.objectstore.errors import map_error
 
 if TYPE_CHECKING:
     from buildvault.config import Settings

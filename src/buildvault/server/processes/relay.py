@@ -3,8 +3,9 @@
 A secondary serves no /metrics of its own. `RelayedMetrics` is the `Metrics` its gRPC listener
 records into; the observations that the primary cannot see (RPC counts and durations, action
 cache hits and misses, access-control refusals) are kept as small events and sent to the primary
-every `interval` seconds in one METRICS frame (storage/remote_wire.py), where
-server/store_server.py adds them to the primary's counters. Store-level counts need no relay:
+every `interval` seconds in one METRICS frame (storage/processes/wire.py); the primary's store
+server (storage/processes/store_server.py) hands them to `RelayReceiver`, which adds them to the
+primary's counters. Both ends of the event format live here. Store-level counts need no relay:
 every store call is served, and metered, by the primary.
 
 Not relayed: the per-protocol `cas_read_bytes` / `cas_written_bytes` of RPCs served by a
@@ -20,10 +21,10 @@ from typing import Any
 
 from buildvault.server.background import cancel_and_wait
 from buildvault.server.metrics import Metrics
-from buildvault.storage.remote_store import RemoteStoreClient
-from buildvault.storage.remote_wire import Kind
+from buildvault.storage.processes.client import RemoteStoreClient
+from buildvault.storage.processes.wire import Kind
 
-__all__ = ["RelayedMetrics"]
+__all__ = ["RelayReceiver", "RelayedMetrics"]
 
 log = logging.getLogger("buildvault.metrics_relay")
 
@@ -75,3 +76,32 @@ class RelayedMetrics(Metrics):
         task, self._task = self._task, None
         await cancel_and_wait(task)
         await self.flush()
+
+
+class RelayReceiver:
+    """The primary's end: what the store server counts, into the primary's `Metrics`."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def ipc_request(self, process: str) -> None:
+        self.metrics.ipc_request(process)
+
+    def relayed(self, process: str, events: list[list[Any]]) -> None:
+        for event in events:
+            apply_relayed(self.metrics, process, event)
+
+
+def apply_relayed(metrics: Metrics, process: str, event: list[Any]) -> None:
+    """One observation secondary `process` made (`RelayedMetrics`), counted by the primary."""
+    what = event[0]
+    if what == "request":
+        _, protocol, method, kind, status, seconds = event
+        metrics.observe_request(str(protocol), str(method), str(kind), str(status), float(seconds))
+        metrics.secondary_requests.labels(process).inc()
+    elif what == "ac":
+        metrics.ac_lookup(str(event[1]), bool(event[2]))
+    elif what == "refused":
+        metrics.auth_refused(str(event[1]), str(event[2]))
+    else:
+        raise KeyError(what)

@@ -1,7 +1,7 @@
 """The upload journal's files: batch file names, the line format of an entry, durable writes.
 
 Why apart from the journal: the format is what must stay readable across versions and crashes
-(storage/journal.py describes the layout); the journal's queueing and draining can change freely.
+(journal.py describes the layout); the journal's queueing and draining can change freely.
 """
 
 from __future__ import annotations
@@ -31,14 +31,6 @@ class JournalEntry:
     def added(self) -> float:
         """Wall-clock time (seconds) the entry was committed."""
         return self.seq / 1e9
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def batch_name(seq: int, count: int) -> str:

@@ -1,17 +1,19 @@
 """The primary's store, served to its secondary server processes over a private Unix socket.
 
-    server = StoreServer(blobs, actions, metrics, "/tmp/buildvault-XXXX/store.sock")
+    server = StoreServer(blobs, actions, recorder, "/tmp/buildvault-XXXX/store.sock")
     await server.start()
     await server.stop()
 
-The other end is storage/remote_store.py; the frames are storage/remote_wire.py's. Every call is
+The other end is storage/processes/client.py; the frames are storage/processes/wire.py's. Every call is
 served by the one store stack the primary's own listeners use (the metered client tier, the empty
 blob, the bucket tier, the disk index with its eviction hold), so what any process writes, every
 process sees at once. A connection carries one call at a time; a stream that ends early (the
 client went away, a write refused before its end) ends the connection.
 
 Requests are counted by process (`buildvault_store_ipc_requests_total{process}`), and the
-secondaries' own RPC observations (METRICS frames) are added to the primary's /metrics.
+secondaries' own RPC observations (METRICS frames) are added to the primary's /metrics, both
+through a `ProcessRecorder` (server/processes/relay.py's `RelayReceiver`: storage knows no
+Prometheus metric).
 """
 
 from __future__ import annotations
@@ -24,13 +26,12 @@ import os
 import struct
 from array import array
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, Protocol
 
-from buildvault.server.metrics import Metrics
 from buildvault.storage import ActionStore, BlobStore
-from buildvault.storage import remote_wire as wire
-from buildvault.storage.remote_store import STREAM_LIMIT
-from buildvault.storage.remote_wire import Kind
+from buildvault.storage.processes import wire
+from buildvault.storage.processes.client import STREAM_LIMIT
+from buildvault.storage.processes.wire import Kind
 
 __all__ = ["StoreServer"]
 
@@ -39,12 +40,22 @@ log = logging.getLogger("buildvault.store_server")
 _PEER_GONE = (ConnectionError, asyncio.IncompleteReadError, OSError)
 
 
+class ProcessRecorder(Protocol):
+    """Where the store server's counts go (the primary's /metrics)."""
+
+    def ipc_request(self, process: str) -> None:
+        """One store call served to secondary `process`."""
+
+    def relayed(self, process: str, events: list[list[Any]]) -> None:
+        """Observations secondary `process` relayed; ValueError, TypeError or KeyError if malformed."""
+
+
 class _PeerGone(Exception):
     """The secondary closed the connection in the middle of a write stream."""
 
 
 class StoreServer:
-    def __init__(self, blobs: BlobStore, actions: ActionStore, metrics: Metrics | None, path: str) -> None:
+    def __init__(self, blobs: BlobStore, actions: ActionStore, metrics: ProcessRecorder | None, path: str) -> None:
         self.blobs = blobs
         self.actions = actions
         self.metrics = metrics
@@ -223,23 +234,6 @@ class StoreServer:
         if self.metrics is None:
             return
         try:
-            events: list[list[Any]] = json.loads(body)
-            for event in events:
-                apply_relayed(self.metrics, process, event)
+            self.metrics.relayed(process, json.loads(body))
         except (ValueError, TypeError, KeyError):
             log.warning("store server: a malformed metrics frame was ignored")
-
-
-def apply_relayed(metrics: Metrics, process: str, event: list[Any]) -> None:
-    """One observation secondary `process` made (server/metrics_relay.py), counted by the primary."""
-    what = event[0]
-    if what == "request":
-        _, protocol, method, kind, status, seconds = event
-        metrics.observe_request(str(protocol), str(method), str(kind), str(status), float(seconds))
-        metrics.secondary_requests.labels(process).inc()
-    elif what == "ac":
-        metrics.ac_lookup(str(event[1]), bool(event[2]))
-    elif what == "refused":
-        metrics.auth_refused(str(event[1]), str(event[2]))
-    else:
-        raise KeyError(what)

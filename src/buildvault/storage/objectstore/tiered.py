@@ -1,7 +1,7 @@
 """A fast local tier in front of a slow shared tier (the object store): read-through with a
 verified backfill, and journaled write-back. Nothing else: the slow tier given here is already
-wrapped by the builder (storage/object_tier.py) in its presence cache (existence_cache.py) and
-its fail-open rule (fail_open.py), so every failure of it arrives as `Unavailable`, promptly.
+wrapped by the builder (storage/objectstore/tier.py) in its presence cache (presence.py) and
+its fail-open rule (storage/fail_open.py), so every failure of it arrives as `Unavailable`, promptly.
 
     TieredBlobStore(fast, slow, journal, known_in_slow=cache.known_present)
     TieredActionStore(fast, slow, journal)
@@ -37,7 +37,7 @@ from typing import Any
 
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import ActionStore, BlobStore, DigestMismatch, NotFound, Unavailable, close_chunks
-from buildvault.storage.journal import JournalEntry, Ticket, UploadJournal
+from buildvault.storage.objectstore.journal import JournalEntry, Ticket, UploadJournal
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ class TieredActionStore:
         self.journal = journal
         self.read_only = read_only
         self.uploads = uploads
-        self.served = served  # told of every hit (storage/last_use.py keeps the bucket's last use)
+        self.served = served  # told of every hit (storage/objectstore/last_use.py keeps the bucket's last use)
         events = ("fast_hits", "slow_hits", "misses", "lost_uploads", "unavailable")
         self.counters: dict[str, int] = dict.fromkeys(events, 0)
 

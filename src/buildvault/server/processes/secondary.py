@@ -1,13 +1,13 @@
 """A secondary server process: the gRPC cache services on the primary's port, over the primary's store.
 
-    python -m buildvault.server.secondary      (started by server/processes.py, never by hand)
+    python -m buildvault.server.processes.secondary      (started by supervisor.py, never by hand)
 
 The primary writes one JSON line on the secondary's stdin: the settings (the same values the
 primary runs with), the bound gRPC address, the store socket, its index and the largest blob
 size. The secondary answers `ready` on stdout once it listens. It serves Capabilities, CAS,
 ByteStream and ActionCache (no Execution, no HTTP: `--processes` above 1 needs execution off)
 with the same access control, TLS files and message limits as the primary's listener, joined to
-the port with SO_REUSEPORT, every store call going to the primary (storage/remote_store.py).
+the port with SO_REUSEPORT, every store call going to the primary (storage/processes/client.py).
 
 It ends when the primary does: on SIGTERM (grace for in-flight RPCs; a second one cuts it
 short), on end of stdin (the primary is gone, whatever killed it) and, as a second line of
@@ -35,9 +35,9 @@ from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.grpc.listener import GrpcListener
 from buildvault.server.heap_trim import HeapTrimmer, limit_arenas
-from buildvault.server.metrics_relay import RelayedMetrics
+from buildvault.server.processes.relay import RelayedMetrics
 from buildvault.server.services import Services, StartupError
-from buildvault.storage.remote_store import RemoteStoreClient
+from buildvault.storage.processes.client import RemoteStoreClient
 
 READY = "ready"
 _PR_SET_PDEATHSIG = 1

@@ -58,13 +58,13 @@ from typing import Any
 
 from buildvault.digest import Digest, InvalidDigest
 from buildvault.storage import StorageError, Unavailable
-from buildvault.storage.journal_files import (
+from buildvault.storage.disk.fileops import fsync_dir
+from buildvault.storage.objectstore.journal_files import (
     AC,
     CAS,
     JournalEntry,
     batch_name,
     entry_of,
-    fsync_dir,
     parse_batch_name,
     read_lines,
     record_of,
@@ -174,7 +174,7 @@ class UploadJournal:
         if not self._q.is_dir():
             self._q.mkdir(parents=True, exist_ok=True)
             for directory in (self.directory, self.directory.parent):  # make q/ itself durable
-                fsync_dir(directory)
+                fsync_dir(str(directory))
         fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -245,7 +245,7 @@ class UploadJournal:
             self._write_file(self._q / new_name, records)
             replaced.append(name)
         if replaced:
-            fsync_dir(self._q)
+            fsync_dir(str(self._q))
             for name in replaced:
                 os.unlink(self._q / name)
 
@@ -319,7 +319,7 @@ class UploadJournal:
                 path = self._q / batch_name(seq, len(records))
                 self._write_file(path, records)
                 written.append(path)
-            fsync_dir(self._q)
+            fsync_dir(str(self._q))
             self.fsyncs += 1
         except BaseException:
             for path in written:  # not acknowledged: do not leave it to be uploaded later

@@ -9,9 +9,9 @@
 
 The primary owns the whole store (disk index, eviction, bucket tier, journal, pins) and the HTTP
 listener, /metrics and the status page; it serves the gRPC cache services itself too. Each
-secondary (server/secondary.py) serves the gRPC cache services on the same port (SO_REUSEPORT:
+secondary (server/processes/secondary.py) serves the gRPC cache services on the same port (SO_REUSEPORT:
 the kernel spreads new connections over the processes) and sends every store call to the
-primary's store server (server/store_server.py) over a private Unix socket. A secondary that
+primary's store server (storage/processes/store_server.py) over a private Unix socket. A secondary that
 dies (killed, crashed) is started again (after `RESTART_DELAY` if it died within a second of
 starting, so a secondary that cannot start does not spin); one that stops cleanly (SIGTERM to
 it or to the whole process group, as a service manager stops a service) is not. Secondaries end
@@ -35,7 +35,7 @@ import time
 
 from buildvault.config import Settings
 from buildvault.execution.platform import PlatformError, parse_pools
-from buildvault.server.secondary import READY, settings_values
+from buildvault.server.processes.secondary import READY, settings_values
 from buildvault.server.services import StartupError
 
 __all__ = ["Secondaries", "process_count"]
@@ -115,7 +115,7 @@ class Secondaries:
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "buildvault.server.secondary",
+            sys.executable, "-m", "buildvault.server.processes.secondary",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         self.processes[index] = process
