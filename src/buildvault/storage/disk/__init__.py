@@ -9,8 +9,8 @@ One process per root (an flock on root/LOCK). The modules, one concern each:
     fileops      file operations run in the worker threads; temp files
     chunks       the iterators reads return
     coalescer    one pool trip per event-loop iteration for small operations
-    core         the state reads and writes share; eviction and in-flight renames/unlinks
-    writes       reserve, receive, verify, publish
+    core         the one owner of the shared state: space, claims, publishes, eviction, healing
+    writes       receive, verify, publish; BatchUpdateBlobs
     reads        ranged reads, batches, lookup by hash, action entries
     snapshot     the index snapshot's format
     durability   sync points, the SYNC marker, crash re-verification

@@ -1,30 +1,38 @@
-"""The state every disk-store operation shares, and the steps reads and writes have in common.
+"""The one owner of the state every disk-store operation shares.
 
 `Core` holds the layout, the index, the worker pool and its coalescer, and the maps of renames
 and unlinks in flight (at most one per key, so the index never says "present" for a file an
-eviction is about to remove, nor the reverse). Eviction lives here because both paths need it:
-writes make room, reads drop entries whose file turned out damaged or gone.
+eviction is about to remove, nor the reverse). Those maps, the publish tasks and the suspects
+change only through its methods: reserving space (evicting first), claiming a key, starting and
+finishing a publish, deleting, dropping a damaged or vanished entry, re-checking suspects. The
+write and read paths (writes.py, reads.py) read that state but change it only through them.
 
-`suspects` holds hashes a lookup by hash alone found no file for: the size is not known there,
-so the entry (if the index has one) is re-checked by the next FindMissingBlobs or write naming
-it (healing.py). It is empty almost always, and the hot paths test only that.
+Healing: a read that finds a file gone or damaged drops its entry at once (reads.py). A lookup by
+hash alone (bazel-remote's GET /cas/{hash}) knows no size, so it cannot name the entry; it records
+the hash in `suspects` instead, and the next FindMissingBlobs or write naming a digest of that hash
+stats the file (one coalesced trip) before answering: gone or of the wrong size, the entry leaves
+the index, so the blob is reported missing and the next upload stores it. A record (records.py) is
+looked up in the same trip instead: its size is in its key, and its content is checked when it is
+read. `suspects` is empty almost always, and the hot paths test only that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from buildvault.storage import StorageError
+from buildvault.digest import Digest, InvalidDigest
+from buildvault.storage import CapacityExceeded, StorageError, StorageFull
 from buildvault.storage.disk import fileops, records
 from buildvault.storage.disk.coalescer import Coalescer
-from buildvault.storage.disk.index import Index
-from buildvault.storage.disk.layout import AcKeys, Layout, dir_id
+from buildvault.storage.disk.index import Index, Reservation
+from buildvault.storage.disk.layout import AcKeys, Layout, cas_key, dir_id
 
 log = logging.getLogger("buildvault.storage.disk")
 
@@ -59,7 +67,7 @@ class CountingPool(concurrent.futures.ThreadPoolExecutor):
 
 
 class Core:
-    """Shared state of one open store (event-loop side)."""
+    """Shared state of one open store (event-loop side), and the only code that changes it."""
 
     def __init__(
         self,
@@ -77,15 +85,24 @@ class Core:
         workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
         self.executor = CountingPool(workers, thread_name_prefix="buildvault-disk")
         self.ops = Coalescer(self.executor)
+        # Read them anywhere; change them only through the methods below.
         self.publishing: dict[bytes, asyncio.Future[None]] = {}
         self.deleting: dict[bytes, asyncio.Future[None]] = {}
         self.tasks: set[asyncio.Future[Any]] = set()
         self.suspects: dict[str, None] = {}  # hex hashes to re-check (insertion order: oldest first)
         self.closing = False
 
+    # -- open, closing, waiting ------------------------------------------------------------
+
     def check_open(self) -> None:
         if self.closing:
             raise StorageError("disk store is closed")
+
+    def refuse_new_work(self) -> bool:
+        """From now on every operation fails with StorageError; False if that was so already."""
+        was_open = not self.closing
+        self.closing = True
+        return was_open
 
     async def io(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
         """Run blocking file work in the store's pool; OSErrors become storage errors."""
@@ -106,17 +123,88 @@ class Core:
         """Renames, unlinks and publish tasks not finished yet."""
         return len(self.publishing) + len(self.deleting) + len(self.tasks)
 
+    async def drain(self) -> None:
+        """Wait once for every rename, unlink and publish under way now (close)."""
+        await asyncio.gather(*self.tasks, *self.publishing.values(), *self.deleting.values(), return_exceptions=True)
+
     async def wait_idle(self) -> None:
         """Until every rename, unlink and publish started so far has finished."""
         while self.in_flight():
-            await asyncio.gather(
-                *self.tasks, *self.publishing.values(), *self.deleting.values(), return_exceptions=True
-            )
+            await self.drain()
             await asyncio.sleep(0)  # their done-callbacks run in the next iteration
 
     def dirs_in_flight(self) -> set[bytes]:
         """Directories with a rename or unlink under way: their mtime says nothing yet."""
         return {dir_id(key) for key in (*self.publishing, *self.deleting)}
+
+    # -- writes: space, the key, the publish -----------------------------------------------
+
+    async def reserve(self, size: int, what: object) -> Reservation:
+        """Promise `size` bytes to a write, evicting first, so the total on disk stays under max_size."""
+        self.check_open()
+        index = self.index
+        if size > index.max_size:
+            raise CapacityExceeded(f"{what} ({size} bytes) is larger than the store's {index.max_size} bytes")
+        if index.reserved + size > index.max_size:
+            raise StorageFull(f"no room for {what}: writes in progress hold the space")
+        deletions: list[asyncio.Future[None]] = []
+        over = index.used + index.reserved + size - index.max_size
+        if over > 0:
+            deletions = self.evict(over + index.slack)
+            if index.used + index.reserved + size > index.max_size:
+                # What is left was used in the last seconds (a client is about to fetch it) or is
+                # promised to writes in progress: refusing this write is cheaper than a broken hit.
+                raise StorageFull(f"no room for {what}: writes in progress and entries in use hold the space")
+        reservation = Reservation(index, size)
+        try:
+            await self.settle_all(deletions)  # let the space really be free before writing
+        except BaseException:
+            reservation.release()
+            raise
+        return reservation
+
+    async def claim(self, key: bytes, replace: bool) -> bool:
+        """Wait until no rename or unlink of `key` is in flight. False: a CAS entry that another
+        writer published meanwhile (touched; nothing to do)."""
+        while True:
+            if not replace and key in self.index.entries:
+                self.index.touch(key)
+                return False
+            other = self.publishing.get(key) or self.deleting.get(key)
+            if other is None:
+                return True
+            if other.done():  # finished, its clean-up callback not yet run: awaiting would not yield
+                if self.deleting.get(key) is other:
+                    del self.deleting[key]
+                continue
+            with contextlib.suppress(Exception):  # only waiting for the slot; its outcome is re-checked
+                await asyncio.shield(other)
+
+    def start_publish(self, key: bytes) -> None:
+        """`key` is being written (claimed, or free of any rename and unlink): others wait for it."""
+        self.publishing[key] = asyncio.get_running_loop().create_future()
+
+    def finish_publish(self, key: bytes, reservation: Reservation, size: int | None) -> None:
+        """End the publish of `key`: index it if it is in place (`size` not None), release its
+        reservation either way, and let those waiting for the key go on."""
+        try:
+            if size is not None:
+                self.index.indexed(key, reservation, size)
+        finally:
+            reservation.release()
+            self.publishing.pop(key).set_result(None)
+
+    def track(self, task: asyncio.Future[Any]) -> None:
+        """A publish task that must finish even if its caller is cancelled (close waits for it)."""
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Future[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("publish failed: %s", task.exception())
+
+    # -- eviction, deletion, healing ------------------------------------------------------
 
     def evict(self, need: int, *, hold: bool = True) -> list[asyncio.Future[None]]:
         """Drop least recently used entries until `need` bytes are freed (with `hold`, none used
@@ -166,3 +254,45 @@ class Core:
         suspects[hex_hash] = None
         if len(suspects) > MAX_SUSPECTS:
             del suspects[next(iter(suspects))]
+
+    async def recheck(self, digests: Iterable[Digest]) -> None:
+        """Stat the files of those `digests` whose hash is a suspect and which the index holds;
+        drop those gone or damaged (call only when `suspects` is not empty)."""
+        suspects = self.suspects
+        held: list[tuple[bytes, int]] = []
+        in_records: list[bool] = []
+        for digest in [d for d in digests if d.hash in suspects]:
+            suspects.pop(digest.hash, None)
+            with contextlib.suppress(InvalidDigest):
+                key = cas_key(digest)
+                if key in self.index.entries and key not in self.publishing:
+                    held.append((key, digest.size_bytes))
+                    in_records.append(self.index.in_records(key))
+        if not held:
+            return
+        files = [self.layout.path(key) for (key, _), record in zip(held, in_records, strict=True) if not record]
+        keys = [key for (key, _), record in zip(held, in_records, strict=True) if record]
+        try:
+            sizes = await self.ops.submit(_sizes, (self.records, files, keys, in_records))
+        except OSError as e:
+            raise fileops.storage_error(e, "re-checking blobs a lookup did not find") from e
+        for (key, size), found in zip(held, sizes, strict=True):
+            if found is None:
+                self.drop_missing(key)
+            elif found != size:
+                self.drop_damaged(key)
+
+
+def _sizes(recs: records.Records, paths: list[str], keys: list[bytes], in_records: list[bool]) -> list[int | None]:
+    """The size of each file (None: gone) and each record (its key's size, or None: gone), in order."""
+    file_sizes = iter([fileops.stat_size(path) for path in paths])
+    present = iter(records.present(recs, keys) if keys else [])
+    key_sizes = iter([int.from_bytes(key[33:], "big") for key in keys])
+    out: list[int | None] = []
+    for record in in_records:
+        if record:
+            size = next(key_sizes)
+            out.append(size if next(present) else None)
+        else:
+            out.append(next(file_sizes))
+    return out

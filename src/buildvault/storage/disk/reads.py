@@ -8,7 +8,7 @@ before any byte is returned, streamed ones before their last chunk): a file can 
 edited under a running server. A file or record found damaged (wrong size, content or CRC) is
 deleted and reported missing, one found gone is dropped from the index: the client uploads it
 again. A
-lookup by hash alone that finds no file marks the hash for a re-check (healing.py).
+lookup by hash alone that finds no file marks the hash for a re-check (core.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
 from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
 from buildvault.storage.disk import fileops, layout, records
 from buildvault.storage.disk.chunks import FileChunks, Verification, WholeChunks
-from buildvault.storage.disk.core import Core
+from buildvault.storage.disk.core import SMALL_OP, Core
 from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
-from buildvault.storage.disk.writes import SMALL_OP
 
 
 class Reader:

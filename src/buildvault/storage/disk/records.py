@@ -254,7 +254,7 @@ def delete_many(records: Records, keys: list[bytes]) -> None:
 
 
 def present(records: Records, keys: list[bytes]) -> list[bool]:
-    """Whether each key has a record (a re-check: healing.py)."""
+    """Whether each key has a record (a re-check: core.py)."""
     try:
         with records.live.begin(buffers=True) as txn:
             return [txn.get(key) is not None for key in keys]

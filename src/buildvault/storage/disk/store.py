@@ -20,7 +20,7 @@ from typing import Any
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import StorageError
-from buildvault.storage.disk import findmissing, healing, layout, records, snapshot, startup
+from buildvault.storage.disk import findmissing, layout, records, snapshot, startup
 from buildvault.storage.disk.accache import AcCache
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
@@ -125,17 +125,14 @@ class DiskStorage:
         removed at the next start).
         """
         core = self._core
-        if core.closing:
+        if not core.refuse_new_work():
             return
-        core.closing = True
         try:
             if self._checkpointer is not None:
                 self._checkpointer.cancel()
                 await asyncio.gather(self._checkpointer, return_exceptions=True)
             await self._syncer.stop()
-            await asyncio.gather(
-                *core.tasks, *core.publishing.values(), *core.deleting.values(), return_exceptions=True
-            )
+            await core.drain()
             try:
                 await self._checkpoint(quiesced=True)
             except StorageError as e:
@@ -163,7 +160,7 @@ class DiskStorage:
         """Stop at once, as a killed process would: no snapshot, no last sync, no clean-shutdown
         record; the directory is released and the next open recovers (fault drills and tests)."""
         core = self._core
-        core.closing = True
+        core.refuse_new_work()
         if self._checkpointer is not None:
             self._checkpointer.cancel()
         self._syncer.abandon()
@@ -309,7 +306,7 @@ class DiskBlobStore:
         """In-memory only: no syscalls (but for hashes a lookup found no file for). Hits count as
         uses (they are about to be referenced)."""
         if self._core.suspects:
-            await healing.recheck(self._core, healing.named(self._core, digests))
+            await self._core.recheck(digests)
         return findmissing.find_missing(self._core.index, digests)
 
     async def find_missing_indices(
@@ -320,8 +317,8 @@ class DiskBlobStore:
         core = self._core
         core.check_open()
         if core.suspects:
-            named = [Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in core.suspects]
-            await healing.recheck(core, named)
+            suspects = core.suspects
+            await core.recheck(Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in suspects)
         return findmissing.missing_indices(core.index, function, hashes, sizes)
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:

@@ -8,28 +8,33 @@ UPLOAD_BUFFER_BUDGET), one batch hashed while the previous one is written. Eithe
 a blob becomes visible only once verified, by one commit or one atomic rename, and a failed or
 cancelled write leaves nothing behind. Once the commit or rename is under way it completes and
 is indexed even if the caller is cancelled.
+
+BatchUpdateBlobs (`write_blobs`): the common case (small, new, room without evicting, no other
+write of the same blob in flight) is reserved and claimed on the event loop and written in one
+operation per layout: the records in one LMDB transaction (records.put_many), the files in one
+trip (fileops.write_many); any other blob goes the one-by-one way (`write`).
+
+Space, claims and publishes go through the store's state owner (core.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import logging
 from collections.abc import AsyncIterable, Sequence
 from typing import Any
 
-from buildvault.digest import Digest, new_hasher
-from buildvault.storage import CapacityExceeded, DigestMismatch, StorageFull
-from buildvault.storage.disk import batches, fileops, healing, records
+from buildvault.digest import Digest, InvalidDigest, new_hasher
+from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, single_chunk
+from buildvault.storage.disk import fileops, records
 from buildvault.storage.disk.core import MIN_WRITE_BATCH, SMALL_OP, UPLOAD_BUFFER_BUDGET, WRITE_BATCH, Core
 from buildvault.storage.disk.index import Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key
 from buildvault.storage.disk.records import held
 
-log = logging.getLogger("buildvault.storage.disk")
-
 __all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
+
+_Claim = tuple[int, bytes, int, Reservation]  # item, key, size, reservation
 
 
 class Writer:
@@ -52,7 +57,7 @@ class Writer:
             raise CapacityExceeded(f"blob {digest} is larger than the store's {core.index.max_size} bytes")
         key = cas_key(digest)
         if core.suspects and digest.hash in core.suspects:
-            await healing.recheck(core, [digest])
+            await core.recheck([digest])
         if key in core.index.entries:
             # Already stored and verified when it was written: do not read the stream at all.
             core.index.touch(key)
@@ -67,33 +72,103 @@ class Writer:
         await self._store(key, None, len(data), data, f"{namespace!r} entry {digest}", replace=True)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        """Whole blobs (BatchUpdateBlobs): batches.py."""
-        return await batches.write_blobs(self, items)
-
-    async def _reserve(self, size: int, what: object) -> Reservation:
-        """Promise `size` bytes to a write, evicting first, so the total on disk stays under max_size."""
+        """Whole blobs (BatchUpdateBlobs). The common case (small, new, room without evicting,
+        no other write of the same blob in flight) is reserved and claimed here and written in one
+        coalesced operation; any other goes the one-by-one way. Like _store_small, a submitted
+        write completes and is indexed even if the caller is cancelled."""
         core = self.core
         core.check_open()
+        if core.suspects:
+            await core.recheck(digest for digest, _ in items)
         index = core.index
-        if size > index.max_size:
-            raise CapacityExceeded(f"{what} ({size} bytes) is larger than the store's {index.max_size} bytes")
-        if index.reserved + size > index.max_size:
-            raise StorageFull(f"no room for {what}: writes in progress hold the space")
-        deletions: list[asyncio.Future[None]] = []
-        over = index.used + index.reserved + size - index.max_size
-        if over > 0:
-            deletions = core.evict(over + index.slack)
-            if index.used + index.reserved + size > index.max_size:
-                # What is left was used in the last seconds (a client is about to fetch it) or is
-                # promised to writes in progress: refusing this write is cheaper than a broken hit.
-                raise StorageFull(f"no room for {what}: writes in progress and entries in use hold the space")
-        reservation = Reservation(index, size)
-        try:
-            await core.settle_all(deletions)  # let the space really be free before writing
-        except BaseException:
-            reservation.release()
-            raise
-        return reservation
+        entries = index.entries
+        publishing, deleting = core.publishing, core.deleting
+        outcomes: list[Exception | None] = [None] * len(items)
+        batch: list[tuple[str, str, bytes, Digest | None]] = []
+        claimed: list[_Claim] = []
+        record_batch: list[records.PutItem] = []
+        record_claimed: list[_Claim] = []
+        limit = index.limit
+        others: list[int] = []
+        contended: set[int] = set()
+        tmp_dir, path = core.layout.tmp_dir, core.layout.path
+        for i, (digest, data) in enumerate(items):
+            size = digest.size_bytes
+            try:
+                key = cas_key(digest)
+            except InvalidDigest as e:
+                outcomes[i] = e
+                continue
+            if key in entries:
+                index.touch(key)  # stored and verified already: the bytes need not be read
+                continue
+            if key in publishing or key in deleting:
+                contended.add(i)  # e.g. the same blob twice in one batch: these bytes get checked too
+                others.append(i)
+                continue
+            record = size <= limit and held(limit, key, size)
+            cost = records.charge(key, size) if record else size
+            if len(data) != size or size > SMALL_OP or index.used + index.reserved + cost > index.max_size:
+                others.append(i)
+                continue
+            reservation = Reservation(index, cost)
+            core.start_publish(key)
+            if record:
+                record_batch.append((key, bytes(data), digest))
+                record_claimed.append((i, key, size, reservation))
+            else:
+                batch.append((tmp_dir, path(key), bytes(data), digest))
+                claimed.append((i, key, size, reservation))
+        futures = []
+        if record_batch:
+            nbytes = sum(len(item[1]) for item in record_batch)
+            future = core.ops.submit(records.put_many, (core.records, record_batch), nbytes)
+            futures.append(self._settle_group(future, record_claimed, outcomes))
+        if batch:
+            future = core.ops.submit(fileops.write_many, (batch,), sum(len(item[2]) for item in batch))
+            futures.append(self._settle_group(future, claimed, outcomes))
+        if futures:
+            await asyncio.shield(asyncio.gather(*futures, return_exceptions=True))
+            for i, *_rest in [*record_claimed, *claimed]:
+                error = outcomes[i]
+                if isinstance(error, OSError):
+                    outcomes[i] = fileops.storage_error(error, f"writing {items[i][0]}")
+        if others:
+
+            async def one(i: int) -> Exception | None:
+                digest, data = items[i]
+                try:
+                    if i in contended and len(data) == digest.size_bytes <= SMALL_OP:
+                        await core.ops.submit(fileops.check_hash, (bytes(data), digest))
+                    await self.write(digest, single_chunk(data))
+                    return None
+                except Exception as e:  # that blob's outcome
+                    return e
+
+            for i, outcome in zip(others, await asyncio.gather(*(one(i) for i in others)), strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    def _settle_group(
+        self, future: asyncio.Future[list[Exception | None]], claimed: list[_Claim], outcomes: list[Exception | None]
+    ) -> asyncio.Future[list[Exception | None]]:
+        """When one coalesced write of several entries is done: index each written one, record the
+        others' errors in `outcomes`, release the claims (runs even if the caller is cancelled)."""
+        finish_publish = self.core.finish_publish
+
+        def finished(future: asyncio.Future[list[Exception | None]]) -> None:
+            results = None if future.cancelled() else (future.exception() or future.result())
+            for n, (i, key, size, reservation) in enumerate(claimed):
+                error = results if isinstance(results, BaseException) else None if results is None else results[n]
+                written = results is not None and error is None
+                try:
+                    if not written:
+                        outcomes[i] = error if isinstance(error, Exception) else StorageError("write abandoned")
+                finally:
+                    finish_publish(key, reservation, size if written else None)
+
+        future.add_done_callback(finished)
+        return future
 
     async def _store(
         self,
@@ -109,7 +184,7 @@ class Writer:
 
         Entries up to SMALL_OP bytes are gathered first and take the coalesced path instead.
         """
-        reservation = await self._reserve(self.core.index.cost(key, size), what)
+        reservation = await self.core.reserve(self.core.index.cost(key, size), what)
         if size <= SMALL_OP:
             try:
                 if isinstance(chunks, bytes):
@@ -209,7 +284,7 @@ class Writer:
         core = self.core
         duplicate = False
         try:
-            duplicate = not await self._claim(key, replace)  # False: a concurrent writer got there first
+            duplicate = not await core.claim(key, replace)  # False: a concurrent writer got there first
         except BaseException:
             duplicate = True
             raise
@@ -219,54 +294,26 @@ class Writer:
                 await core.settle(core.executor.submit(fileops.unlink_quiet, temp))
         if duplicate:
             return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        core.publishing[key] = done
-        task = asyncio.ensure_future(self._rename_and_index(key, temp, size, reservation, done))
-        core.tasks.add(task)
-        task.add_done_callback(self._task_done)
+        core.start_publish(key)
+        task = asyncio.ensure_future(self._rename_and_index(key, temp, size, reservation))
+        core.track(task)
         await asyncio.shield(task)
 
-    def _task_done(self, task: asyncio.Future[Any]) -> None:
-        self.core.tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("publish failed: %s", task.exception())
-
-    async def _rename_and_index(
-        self, key: bytes, temp: str, size: int, reservation: Reservation, done: asyncio.Future[None]
-    ) -> None:
+    async def _rename_and_index(self, key: bytes, temp: str, size: int, reservation: Reservation) -> None:
         core = self.core
         final = core.layout.path(key)
         # An action entry replacing a record of it: the record goes once the file is in place.
         stale = [key] if key in core.index.entries and core.index.in_records(key) else []
+        renamed = False
         try:
             try:
                 await core.io(_rename_replacing, core.records, temp, final, stale, what=f"publishing {final}")
             except BaseException:
                 await core.settle(core.executor.submit(fileops.unlink_quiet, temp))
                 raise
-            core.index.indexed(key, reservation, size)
+            renamed = True
         finally:
-            reservation.release()
-            del core.publishing[key]
-            done.set_result(None)
-
-    async def _claim(self, key: bytes, replace: bool) -> bool:
-        """Wait until no rename or unlink of `key` is in flight. False: a CAS entry that another
-        writer published meanwhile (touched; nothing to do)."""
-        core = self.core
-        while True:
-            if not replace and key in core.index.entries:
-                core.index.touch(key)
-                return False
-            other = core.publishing.get(key) or core.deleting.get(key)
-            if other is None:
-                return True
-            if other.done():  # finished, its clean-up callback not yet run: awaiting would not yield
-                if core.deleting.get(key) is other:
-                    del core.deleting[key]
-                continue
-            with contextlib.suppress(Exception):  # only waiting for the slot; its outcome is re-checked
-                await asyncio.shield(other)
+            core.finish_publish(key, reservation, size if renamed else None)
 
     async def _store_small(
         self, key: bytes, digest: Digest | None, data: bytes, reservation: Reservation, what: object, *, replace: bool
@@ -275,7 +322,7 @@ class Writer:
         Once submitted, the operation completes and is indexed even if the caller is cancelled."""
         core = self.core
         try:
-            if not await self._claim(key, replace):
+            if not await core.claim(key, replace):
                 reservation.release()
                 if digest is not None:  # published by a concurrent writer: still, these bytes must be right
                     await core.ops.submit(fileops.check_hash, (data, digest))
@@ -283,20 +330,16 @@ class Writer:
         except BaseException:
             reservation.release()
             raise
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        core.publishing[key] = done
+        core.start_publish(key)
         index = core.index
 
         def finished(future: asyncio.Future[None]) -> None:
+            written = not future.cancelled() and future.exception() is None
             try:
-                if not future.cancelled() and future.exception() is None:
-                    index.indexed(key, reservation, len(data))
-                    if key[0] == AC_TAG:
-                        index.ac_cache.put(key, data)
+                core.finish_publish(key, reservation, len(data) if written else None)
             finally:
-                reservation.release()
-                del core.publishing[key]
-                done.set_result(None)
+                if written and key[0] == AC_TAG:
+                    index.ac_cache.put(key, data)
 
         # An action entry may move between a record and a file when its size crosses the limit:
         # the old copy is removed in the same operation, once the new one is in place.
