@@ -1,4 +1,5 @@
-"""Drive a real ccache (Debian 4.7.5) + CMake build against HTTP remote storage.
+"""Drive a real ccache (Debian's 4.7.5, or any other given by path) + CMake build against HTTP
+remote storage.
 
 Typical e2e use::
 
@@ -24,7 +25,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from required_tools import find_tool
+from required_tools import debian_ccache, find_tool
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE_DIR = HERE / "cmake_project"
@@ -65,7 +66,8 @@ class CcacheProject:
 
     Layout under ``root``: ``src/`` (project copy), ``build/``, ``ccache/``
     (CCACHE_DIR), ``ccache.conf`` (CCACHE_CONFIGPATH), ``ccache.log`` when
-    ``debug_log``.  ``remote_storage`` is passed as ``CCACHE_REMOTE_STORAGE``,
+    ``debug_log``.  ``ccache`` is the binary (CMake's launcher too); Debian's by default.
+    ``remote_storage`` is passed as ``CCACHE_REMOTE_STORAGE``,
     e.g. ``http://127.0.0.1:PORT|layout=bazel`` or ``http://127.0.0.1:PORT/ccache|layout=subdirs``.
     """
 
@@ -74,6 +76,7 @@ class CcacheProject:
         root: Path | str,
         *,
         remote_storage: str | None = None,
+        ccache: str | None = None,
         template: Path | str = TEMPLATE_DIR,
         config: dict[str, str] | None = None,
         debug_log: bool = False,
@@ -81,7 +84,7 @@ class CcacheProject:
         env: dict[str, str] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        self.ccache = find_tool("ccache")
+        self.ccache = ccache or debian_ccache()
         self.cmake = find_tool("cmake")
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -141,8 +144,8 @@ class CcacheProject:
         return self._run([
             self.cmake, "-S", str(self.src), "-B", str(self.build_dir),
             "-DCMAKE_BUILD_TYPE=Release",
-            "-DCMAKE_C_COMPILER_LAUNCHER=ccache",
-            "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache",
+            f"-DCMAKE_C_COMPILER_LAUNCHER={self.ccache}",
+            f"-DCMAKE_CXX_COMPILER_LAUNCHER={self.ccache}",
             *extra,
         ])
 

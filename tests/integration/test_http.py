@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from reapi_client import batch_update, digest, read, write
 from yarl import URL
 
+from buildvault.digest import InvalidDigest
 from buildvault.remote_apis import re_pb2
 from buildvault.server.http import HttpListener, ccache_key_to_hash, create_app, parse_cache_path
 from buildvault.server.metrics import Metrics
@@ -436,6 +437,30 @@ def test_ccache_key_mapping_matches_ccache_log():
     assert parse_cache_path(f"/ac/{ac_key[2:]}").layout == "ccache-subdirs"
 
 
+def test_ccache_4_8_hex_keys_map_to_the_bazel_key():
+    # From ccache 4.14.2's debug log: "Translated key 358c7194... to Bazel layout ac/358c7194..."
+    key = "358c719474255ef6cd798939bf315e5b6c266613"
+    assert ccache_key_to_hash(key) == "358c719474255ef6cd798939bf315e5b6c266613358c719474255ef6cd798939"
+    subdirs = parse_cache_path(f"/p/q/{key[:2]}/{key[2:]}")
+    flat = parse_cache_path(f"/p/q/{key}")
+    assert (subdirs.instance, subdirs.kind, subdirs.layout) == ("p/q", "ac", "ccache-subdirs")
+    assert (flat.instance, flat.kind, flat.layout) == ("p/q", "ac", "ccache-flat")
+    assert subdirs.hash == flat.hash == ccache_key_to_hash(key)
+    # The same 20 bytes in 4.7's spelling name the same entry.
+    raw = bytes.fromhex(key)
+    assert parse_cache_path(f"/p/q/{ccache_key(raw)}").hash == flat.hash
+    # A first byte of 0xac under subdirs, and no prefix at all.
+    assert parse_cache_path(f"/ac/{key[2:]}").hash == ccache_key_to_hash("ac" + key[2:])
+    assert parse_cache_path(f"/{key}").instance == ""
+    # Near misses name nothing: uppercase, one digit short or long, a non-hex digit.
+    for bad in (f"/p/{key.upper()}", f"/p/{key[:-1]}", f"/p/{key}0", f"/p/{key[:2]}/{key[2:-1]}",
+                f"/p/{key[:2]}/{key[2:-1]}g", f"/p/{key[:-1]}w"):
+        with pytest.raises(InvalidDigest):
+            parse_cache_path(bad)
+    with pytest.raises(InvalidDigest):
+        ccache_key_to_hash(key[:-1] + "x")
+
+
 async def test_ccache_layouts_share_one_entry(http):
     raw = os.urandom(20)
     key = ccache_key(raw)
@@ -447,6 +472,15 @@ async def test_ccache_layouts_share_one_entry(http):
     # Non-canonical base32hex (last digit with stray low bits) names no key.
     bad = key[:-1] + ("v" if key[-1] != "v" else "u")
     assert (await get(http, f"/cc/{bad}"))[0] in (400, 404)
+    # ccache 4.8+ spells the same 20 bytes as 40 hex digits: the same entry, in both its layouts.
+    hex_key = raw.hex()
+    assert (await get(http, f"/cc/{hex_key}"))[1] == entry  # layout=flat
+    assert (await get(http, f"/cc/{hex_key[:2]}/{hex_key[2:]}"))[1] == entry  # layout=subdirs
+    other = os.urandom(20).hex()
+    assert (await put(http, f"/cc/{other}", b"flat entry")).status == 200
+    assert (await get(http, f"/cc/ac/{other}{other[:24]}"))[1] == b"flat entry"
+    assert (await get(http, f"/cc/{other[:2]}/{other[2:]}"))[1] == b"flat entry"
+    assert (await get(http, f"/cc/{other[:-1]}"))[0] == 400
 
 
 # -- cross-protocol CAS -------------------------------------------------------------------------

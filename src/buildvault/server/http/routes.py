@@ -1,10 +1,11 @@
 """The URL grammar of the bazel-remote HTTP protocol and ccache's HTTP storage layouts.
 
 - `layout=bazel` (and Bazel itself): `/{instance…}/ac/{sha256}` and `/{instance…}/cas/{sha256}`.
-- ccache `layout=subdirs`: `/{instance…}/{2 hex}/{31 chars}`; `layout=flat`: `/{instance…}/{33 chars}`,
-  keyed by ccache's 20-byte key in its string form (4 hex digits + 29 base32hex). They map to
-  the 64-hex key that `layout=bazel` uses for the same ccache key, so the three layouts share
-  one set of action entries.
+- ccache `layout=subdirs`: `/{instance…}/{first 2 chars}/{the rest}`; `layout=flat`:
+  `/{instance…}/{key}`, where the key is ccache's 20-byte key in its string form: 4 hex digits
+  + 29 base32hex (33 characters) up to ccache 4.7, 40 lowercase hex digits from 4.8 on. Both
+  map to the 64-hex key that `layout=bazel` uses for the same 20 bytes, so the three layouts
+  (and both key spellings) share one set of action entries.
 
 Anything else is an InvalidDigest naming what was wrong; no path escapes its instance.
 """
@@ -21,10 +22,11 @@ __all__ = ["CachePath", "ccache_key_to_hash", "parse_cache_path"]
 
 _PATH_CHARS = re.compile(r"[A-Za-z0-9_.\-/]*")
 _MAX_PATH = 1024
-# ccache 4.x keys: 20 bytes written as 4 hex digits + 29 base32hex digits (33 characters).
+# ccache's 20-byte keys: up to 4.7 written as 4 hex digits + 29 base32hex digits (33 characters),
+# from 4.8 on as 40 lowercase hex digits. The lengths (33/31 against 40/38) tell them apart.
 _CCACHE_SUBDIR = re.compile(r"[0-9a-f]{2}")
-_CCACHE_REST = re.compile(r"[0-9a-f]{2}[0-9a-v]{29}")
-_CCACHE_FLAT = re.compile(r"[0-9a-f]{4}[0-9a-v]{29}")
+_CCACHE_REST = re.compile(r"[0-9a-f]{2}[0-9a-v]{29}|[0-9a-f]{38}")
+_CCACHE_FLAT = re.compile(r"[0-9a-f]{4}[0-9a-v]{29}|[0-9a-f]{40}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +45,20 @@ class CachePath:
 
 
 def ccache_key_to_hash(key: str) -> str:
-    """ccache's key string (4 hex + 29 base32hex) -> the 64 hex digits `layout=bazel` sends.
+    """ccache's key string -> the 64 hex digits `layout=bazel` sends for the same 20 bytes.
 
-    ccache pads its 40 hex digits to SHA-256's 64 by repeating the first 24.
+    The key is 40 lowercase hex digits (ccache 4.8 and later) or 4 hex + 29 base32hex (up to
+    4.7). ccache pads the 40 hex digits to SHA-256's 64 by repeating the first 24.
     """
-    raw = bytes.fromhex(key[:4]) + base64.b32hexdecode(key[4:].upper() + "===")
-    if base64.b32hexencode(raw[2:]).decode().rstrip("=").lower() != key[4:]:
-        raise InvalidDigest(f"invalid ccache key {key!r}: not canonical base32hex")
-    hex_digits = raw.hex()
+    if not _CCACHE_FLAT.fullmatch(key):
+        raise InvalidDigest(f"invalid ccache key {key[:100]!r}: want 40 hex digits, or 4 hex + 29 base32hex")
+    if len(key) == 40:
+        hex_digits = key
+    else:
+        raw = bytes.fromhex(key[:4]) + base64.b32hexdecode(key[4:].upper() + "===")
+        if base64.b32hexencode(raw[2:]).decode().rstrip("=").lower() != key[4:]:
+            raise InvalidDigest(f"invalid ccache key {key!r}: not canonical base32hex")
+        hex_digits = raw.hex()
     return hex_digits + hex_digits[:24]
 
 
