@@ -21,6 +21,7 @@ from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound
 from buildvault.storage.build import open_store_stack
+from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams
 from buildvault.storage.disk import DiskBlobStore, DiskStorage
 from buildvault.storage.empty_blob import EmptyBlobStore
 from buildvault.storage.fail_open import FailOpenBlobStore, SlowTierHealth
@@ -39,6 +40,7 @@ STORES = [
     *("memory", "disk", "tiered-memory", "tiered-s3", "built"),
     *("empty-blob", "existence-cache", "fail-open", "metered"),
     *("remote-memory", "remote-disk"),  # a secondary process's store: frames over a Unix socket
+    *("chunked-memory", "chunked-disk"),  # large blobs kept as FastCDC chunks (small parameters)
 ]
 
 
@@ -93,6 +95,16 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
             await storage.close()
         # Whatever the test did, a disk store leaves no temp file behind.
         assert os.listdir(tmp_path / "store" / "tmp") == []
+        return
+    if kind == "chunked-memory":
+        yield ChunkedBlobStore(MemoryBlobStore(), MemoryActionStore(), ChunkingParams(avg_size=4096), threshold=8192)
+        return
+    if kind == "chunked-disk":
+        storage = await DiskStorage.open(tmp_path / "store", 1 << 30)
+        try:
+            yield ChunkedBlobStore(storage.cas, storage.ac, ChunkingParams(avg_size=4096), threshold=8192)
+        finally:
+            await storage.close()
         return
     if kind.startswith("remote-"):
         async with remote_store(tmp_path, kind == "remote-disk") as blobs:

@@ -1,0 +1,271 @@
+"""Dedup at rest: large blobs kept as content-defined chunks plus a chunk list.
+
+A blob of at least `threshold` bytes, however it arrives (ByteStream, HTTP PUT, SpliceBlob), is
+cut with FastCDC 2020 (the parameters the server advertises) and kept as its chunks, each an
+ordinary blob of the inner store, plus a chunk list: an entry of the action store under the
+namespace `chunks`, keyed by the blob's hash (a serialized SplitBlobResponse). Two blobs that
+share content share chunks, stored once, and SplitBlob answers from the list.
+
+Rules this decorator keeps:
+- A chunk list is written only after every chunk it names is stored and the whole blob's size
+  and hash were verified: a failed or mismatching write leaves no list (its chunks, each a valid
+  blob of its own, are left to the LRU).
+- A chunked blob is present only while its list and every chunk are: FindMissingBlobs and reads
+  check the chunks, so a blob whose chunk was evicted is reported missing, never read torn.
+- Blobs stored whole before chunking was on (or below the threshold) are served as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+
+from google.protobuf.message import DecodeError
+
+from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
+from buildvault.remote_apis import re_pb2
+from buildvault.storage import (
+    ActionStore,
+    BlobStore,
+    DigestMismatch,
+    InvalidRange,
+    NotFound,
+    ac_namespace,
+    single_chunk,
+)
+from buildvault.storage.chunks.chunker import ChunkingParams, Piece, cut_stream
+from buildvault.storage.decorator import ForwardingBlobStore
+
+NAMESPACE = ac_namespace("", "chunks")
+# The spec's published results chunk blobs from 2 MiB up; smaller ones rarely share regions.
+DEFAULT_THRESHOLD = 2 << 20
+# A SpliceBlob naming more chunks than this is refused (a blob of 100,000 tiny chunks would
+# cost a store call per chunk for no dedup).
+MAX_SPLICE_CHUNKS = 65_536
+
+
+class MissingChunks(NotFound):
+    """SpliceBlob named chunks the CAS does not hold (NOT_FOUND naming them)."""
+
+    def __init__(self, missing: Sequence[Digest]) -> None:
+        self.missing = list(missing)
+        names = ", ".join(f"{d.hash}/{d.size_bytes}" for d in self.missing[:10])
+        more = f" and {len(self.missing) - 10} more" if len(self.missing) > 10 else ""
+        super().__init__(f"{len(self.missing)} chunk(s) not in the CAS: {names}{more}")
+
+
+class ChunkedBlobStore(ForwardingBlobStore):
+    """Keeps blobs of at least `threshold` bytes as chunks in `inner` plus a list in `lists`."""
+
+    def __init__(
+        self,
+        inner: BlobStore,
+        lists: ActionStore,
+        params: ChunkingParams | None = None,
+        threshold: int = DEFAULT_THRESHOLD,
+    ) -> None:
+        super().__init__(inner)
+        self.lists = lists
+        self.params = params or ChunkingParams()
+        self.threshold = threshold
+        # What the status page shows: bytes clients stored, and chunk bytes this process added.
+        self.logical_bytes = 0
+        self.stored_chunk_bytes = 0
+
+    # -- chunk lists ---------------------------------------------------------------------------
+
+    async def chunk_list(self, digest: Digest) -> list[Digest] | None:
+        """The chunks of a blob kept chunked (None: not kept chunked, or the list is unusable)."""
+        try:
+            data = await self.lists.get(NAMESPACE, digest)
+        except NotFound:
+            return None
+        try:
+            message = re_pb2.SplitBlobResponse.FromString(data)
+            chunks = [Digest.from_proto(d, digest.function) for d in message.chunk_digests]
+        except (DecodeError, ValueError):
+            return None
+        if sum(c.size_bytes for c in chunks) != digest.size_bytes:
+            return None  # a list for another blob of this hash cannot exist; a damaged one is ignored
+        return chunks
+
+    async def _complete_list(self, digest: Digest) -> list[Digest] | None:
+        chunks = await self.chunk_list(digest)
+        if chunks is None or await self.inner.find_missing(chunks):
+            return None
+        return chunks
+
+    async def _put_list(self, digest: Digest, chunks: Sequence[Digest]) -> None:
+        message = re_pb2.SplitBlobResponse(
+            chunk_digests=[re_pb2.Digest(hash=c.hash, size_bytes=c.size_bytes) for c in chunks],
+            chunking_function=re_pb2.ChunkingFunction.FAST_CDC_2020,
+        )
+        await self.lists.put(NAMESPACE, digest, message.SerializeToString())
+
+    # -- the BlobStore protocol ----------------------------------------------------------------
+
+    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        missing = await self.inner.find_missing(digests)
+        if not any(d.size_bytes >= self.threshold for d in missing):
+            return missing
+        return [d for d in missing if d.size_bytes < self.threshold or await self._complete_list(d) is None]
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        missing = await self.inner.find_missing_indices(function, hashes, sizes)
+        threshold = self.threshold
+        if not any(sizes[i] >= threshold for i in missing):
+            return missing
+        return [
+            i
+            for i in missing
+            if sizes[i] < threshold or await self._complete_list(Digest(hashes[i], sizes[i], function)) is None
+        ]
+
+    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
+        if digest.size_bytes < self.threshold:
+            return await self.inner.read(digest, offset, limit)
+        chunks = await self._complete_list(digest)
+        if chunks is None:
+            return await self.inner.read(digest, offset, limit)
+        if offset < 0 or limit < 0 or offset > digest.size_bytes:
+            raise InvalidRange(f"offset {offset} (limit {limit}) outside blob {digest}")
+        end = digest.size_bytes if limit == 0 else min(digest.size_bytes, offset + limit)
+        return self._read_chunks(chunks, offset, end)
+
+    async def _read_chunks(self, chunks: Sequence[Digest], start: int, end: int) -> AsyncIterator[bytes]:
+        position = 0
+        for chunk in chunks:
+            chunk_end = position + chunk.size_bytes
+            if chunk_end > start and position < end:
+                first = max(start - position, 0)
+                count = min(end, chunk_end) - position - first
+                stream = await self.inner.read(chunk, first, 0 if first + count == chunk.size_bytes else count)
+                async for data in stream:
+                    yield data
+            position = chunk_end
+            if position >= end:
+                return
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        if all(d.size_bytes < self.threshold for d in digests):
+            return await self.inner.read_blobs(digests)
+
+        async def one(digest: Digest) -> bytes | Exception:
+            try:
+                return b"".join([data async for data in await self.read(digest)])
+            except Exception as exc:  # that blob's outcome
+                return exc
+
+        return list(await asyncio.gather(*(one(d) for d in digests)))
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        if digest.size_bytes < self.threshold:
+            await self.inner.write(digest, chunks)
+            return
+        await self._write_chunked(digest, chunks)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        if all(d.size_bytes < self.threshold for d, _ in items):
+            return await self.inner.write_blobs(items)
+
+        async def one(digest: Digest, data: bytes) -> Exception | None:
+            try:
+                await self.write(digest, single_chunk(data))
+                return None
+            except Exception as exc:  # that blob's outcome
+                return exc
+
+        return list(await asyncio.gather(*(one(d, data) for d, data in items)))
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        try:
+            return await self.inner.lookup(function, hash)
+        except NotFound:
+            probe = Digest(hash, 0, function)
+            try:
+                data = await self.lists.get(NAMESPACE, probe)
+                message = re_pb2.SplitBlobResponse.FromString(data)
+            except (NotFound, DecodeError, InvalidDigest):
+                raise NotFound(f"blob {function.label}:{hash} not found") from None
+            digest = Digest(hash, sum(d.size_bytes for d in message.chunk_digests), function)
+            if await self._complete_list(digest) is None:
+                raise NotFound(f"blob {digest} not found") from None
+            return digest
+
+    # -- writing chunked -----------------------------------------------------------------------
+
+    async def _write_chunked(self, digest: Digest, source: AsyncIterable[bytes]) -> list[Digest]:
+        hasher = new_hasher(digest.function)
+        received = 0
+
+        async def counted() -> AsyncIterator[bytes]:
+            nonlocal received
+            async for data in source:
+                received += len(data)
+                if received > digest.size_bytes:
+                    raise DigestMismatch(f"more than the {digest.size_bytes} bytes declared for {digest}")
+                await _hash_off_loop(hasher, data)
+                yield data
+
+        listed: list[Digest] = []
+        async for pieces in cut_stream(counted(), self.params, digest.function):
+            await self._store_pieces(pieces)
+            listed.extend(p.digest for p in pieces)
+        if received != digest.size_bytes or hasher.hexdigest() != digest.hash:
+            raise DigestMismatch(
+                f"uploaded bytes ({received} bytes, {digest.function.label} {hasher.hexdigest()}) "
+                f"do not match {digest}"
+            )
+        await self._put_list(digest, listed)
+        self.logical_bytes += digest.size_bytes
+        return listed
+
+    async def _store_pieces(self, pieces: Sequence[Piece]) -> None:
+        """Store the chunks the inner store lacks (a chunk repeated in the group is stored once)."""
+        unique = {p.digest: p for p in pieces}
+        absent = await self.inner.find_missing(list(unique))
+        if absent:
+            await asyncio.gather(*(self.inner.write(d, single_chunk(unique[d].data)) for d in absent))
+            self.stored_chunk_bytes += sum(d.size_bytes for d in absent)
+
+    # -- SplitBlob and SpliceBlob (REAPI v2.12) ------------------------------------------------
+
+    async def split(self, digest: Digest) -> list[Digest]:
+        """The chunk digests of a stored blob; a blob stored whole is chunked now (its chunks are
+        stored, so every one returned is readable afterwards). NotFound if the blob is absent."""
+        if digest.size_bytes == 0:
+            return []
+        chunks = await self._complete_list(digest)
+        if chunks is not None:
+            return chunks
+        stream = await self.inner.read(digest)
+        return await self._write_chunked(digest, stream)
+
+    async def splice(self, digest: Digest, chunks: Sequence[Digest]) -> None:
+        """Make `digest` from `chunks` in order: MissingChunks if any is absent, DigestMismatch if
+        their concatenation is not the blob (nothing stored then), ValueError for a bad request."""
+        if len(chunks) > MAX_SPLICE_CHUNKS:
+            raise ValueError(f"{len(chunks)} chunks named; at most {MAX_SPLICE_CHUNKS} per SpliceBlob")
+        total = sum(c.size_bytes for c in chunks)
+        if total != digest.size_bytes:
+            raise DigestMismatch(f"the chunks add up to {total} bytes, not the {digest.size_bytes} of {digest}")
+        missing = await self.find_missing(list(dict.fromkeys(chunks)))
+        if missing:
+            raise MissingChunks(missing)
+        await self.write(digest, self._concatenate(chunks))
+
+    async def _concatenate(self, chunks: Sequence[Digest]) -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            async for data in await self.read(chunk):
+                yield data
+
+
+async def _hash_off_loop(hasher: object, data: bytes) -> None:
+    """Hash a piece; large pieces in a worker thread (hashlib releases the GIL), small inline."""
+    update = hasher.update  # type: ignore[attr-defined]
+    if len(data) >= 256 * 1024:
+        await asyncio.to_thread(update, data)
+    else:
+        update(data)

@@ -1,0 +1,199 @@
+"""Content-defined chunking: the FastCDC 2020 chunker against the specification's vectors, and the
+chunked store's dedup, SplitBlob and SpliceBlob rules over the memory and disk stores."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from buildvault.digest import Digest, DigestFunction
+from buildvault.storage import DigestMismatch, NotFound, single_chunk
+from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams, MissingChunks, cut
+from buildvault.storage.chunks.chunker import cut_stream
+from buildvault.storage.chunks.store import NAMESPACE
+from buildvault.storage.disk import DiskStorage
+from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "fastcdc2020"
+SMALL = ChunkingParams(avg_size=4096)  # min 1 KiB, max 16 KiB: many chunks from little data
+
+
+def vectors() -> dict[int, list[tuple[int, int, str]]]:
+    """The published boundaries: seed -> [(offset, length, sha256)]."""
+    table: dict[int, list[tuple[int, int, str]]] = {}
+    seed = None
+    for line in (DATA / "fastcdc2020_test_vectors.txt").read_text().splitlines():
+        if line.startswith("# Seed:"):
+            seed = int(line.split(":")[1])
+            table[seed] = []
+        elif line and not line.startswith("#") and seed is not None:
+            offset, length, sha, _ = line.split("\t")
+            table[seed].append((int(offset), int(length), sha))
+    return table
+
+
+@pytest.mark.parametrize("seed", [0, 666])
+def test_the_chunker_reproduces_the_specifications_vectors(seed: int) -> None:
+    image = (DATA / "SekienAkashita.jpg").read_bytes()
+    assert hashlib.sha256(image).hexdigest() == "d9e749d9367fc908876749d6502eb212fee88c9a94892fb07da5ef3ba8bc39ed"
+    expected = vectors()[seed]
+    assert len(expected) == 6
+    chunks = cut(image, ChunkingParams(avg_size=16384, seed=seed))
+    got = []
+    offset = 0
+    for view in chunks:
+        got.append((offset, len(view), hashlib.sha256(view).hexdigest()))
+        offset += len(view)
+    assert got == expected
+
+
+async def pieces_of(data: bytes, sizes: list[int]) -> AsyncIterator[bytes]:
+    at = 0
+    for size in sizes:
+        yield data[at : at + size]
+        at += size
+    yield data[at:]
+
+
+@pytest.mark.parametrize("piece", [1, 777, 16384, 100_000])
+async def test_streamed_cutting_gives_the_boundaries_of_cutting_whole(piece: int) -> None:
+    data = random.Random(piece).randbytes(300_000)
+    whole = [bytes(v) for v in cut(data, SMALL)]
+    streamed = []
+    async for group in cut_stream(pieces_of(data, [piece] * (len(data) // piece)), SMALL, DigestFunction.SHA256):
+        streamed.extend(p.data for p in group)
+    assert streamed == whole
+    assert b"".join(streamed) == data
+    assert max(len(c) for c in whole) <= SMALL.max_size
+
+
+def chunked_memory(threshold: int = 8192) -> ChunkedBlobStore:
+    return ChunkedBlobStore(MemoryBlobStore(), MemoryActionStore(), SMALL, threshold=threshold)
+
+
+async def read_all(store: ChunkedBlobStore, digest: Digest, offset: int = 0, limit: int = 0) -> bytes:
+    return b"".join([data async for data in await store.read(digest, offset, limit)])
+
+
+async def test_two_blobs_sharing_content_store_it_once() -> None:
+    store = chunked_memory()
+    base = random.Random(1).randbytes(200_000)
+    changed = bytearray(base)
+    changed[100_000:100_010] = b"0123456789"  # one small edit in the middle
+    for data in (base, bytes(changed)):
+        await store.write(Digest.of(data), single_chunk(data))
+    inner = store.inner
+    assert isinstance(inner, MemoryBlobStore)
+    stored = sum(len(v) for v in inner._blobs.values())  # bytes the inner store holds
+    # The second version adds only the chunks around the edit (a few max-size chunks at most).
+    assert len(base) < stored <= len(base) + 3 * SMALL.max_size
+    assert await read_all(store, Digest.of(bytes(changed))) == bytes(changed)
+    assert await read_all(store, Digest.of(base)) == base
+
+
+@pytest.mark.parametrize("offset,limit", [(0, 0), (1, 0), (5000, 1), (4095, 20_000), (199_999, 0), (200_000, 0)])
+async def test_ranges_of_a_chunked_blob_read_the_right_bytes(offset: int, limit: int) -> None:
+    store = chunked_memory()
+    data = random.Random(2).randbytes(200_000)
+    await store.write(Digest.of(data), single_chunk(data))
+    end = len(data) if limit == 0 else offset + limit
+    assert await read_all(store, Digest.of(data), offset, limit) == data[offset:end]
+
+
+async def test_a_mismatching_upload_leaves_no_chunk_list() -> None:
+    store = chunked_memory()
+    data = random.Random(3).randbytes(50_000)
+    wrong = Digest(hashlib.sha256(b"other").hexdigest(), len(data))
+    with pytest.raises(DigestMismatch):
+        await store.write(wrong, single_chunk(data))
+    assert await store.find_missing([wrong]) == [wrong]
+    with pytest.raises(NotFound):
+        await store.lists.get(NAMESPACE, wrong)
+
+
+async def test_a_blob_whose_chunk_is_gone_is_missing_and_not_readable() -> None:
+    store = chunked_memory()
+    data = random.Random(4).randbytes(60_000)
+    digest = Digest.of(data)
+    await store.write(digest, single_chunk(data))
+    chunks = await store.split(digest)
+    assert len(chunks) > 2
+    inner = store.inner
+    assert isinstance(inner, MemoryBlobStore)
+    assert inner.evict([chunks[1]]) == 1  # what eviction of one chunk does
+    assert await store.find_missing([digest]) == [digest]
+    assert await store.find_missing_indices(DigestFunction.SHA256, [digest.hash], [digest.size_bytes]) == [0]
+    with pytest.raises(NotFound):
+        await store.read(digest)
+
+
+async def test_split_chunks_a_blob_stored_whole_and_every_chunk_is_readable() -> None:
+    inner = MemoryBlobStore()
+    data = random.Random(5).randbytes(70_000)
+    digest = Digest.of(data)
+    await inner.write(digest, single_chunk(data))  # stored before chunking was on
+    store = ChunkedBlobStore(inner, MemoryActionStore(), SMALL, threshold=8192)
+    chunks = await store.split(digest)
+    assert [bytes(v) for v in cut(data, SMALL)] == [
+        b"".join([d async for d in await inner.read(c)]) for c in chunks
+    ]
+    assert await store.split(digest) == chunks  # answered from the list now
+
+
+async def test_splice_makes_the_blob_from_its_chunks() -> None:
+    store = chunked_memory()
+    data = random.Random(6).randbytes(90_000)
+    views = [bytes(v) for v in cut(data, SMALL)]
+    digests = [Digest.of(v) for v in views]
+    for d, v in zip(digests, views, strict=True):
+        await store.write(d, single_chunk(v))
+    await store.splice(Digest.of(data), digests)
+    assert await read_all(store, Digest.of(data)) == data
+
+
+async def test_splice_refuses_missing_chunks_and_a_wrong_result_storing_nothing() -> None:
+    store = chunked_memory()
+    a, b = os.urandom(10_000), os.urandom(12_000)
+    da, db = Digest.of(a), Digest.of(b)
+    await store.write(da, single_chunk(a))
+    whole = Digest.of(a + b)
+    with pytest.raises(MissingChunks) as missing:
+        await store.splice(whole, [da, db])
+    assert missing.value.missing == [db]
+    await store.write(db, single_chunk(b))
+    wrong = Digest(hashlib.sha256(b"x").hexdigest(), whole.size_bytes)
+    with pytest.raises(DigestMismatch):
+        await store.splice(wrong, [da, db])
+    with pytest.raises(DigestMismatch):
+        await store.splice(Digest(whole.hash, whole.size_bytes + 1), [da, db])
+    assert await store.find_missing([wrong, whole]) == [wrong, whole]
+
+
+async def test_splice_refuses_too_many_chunks() -> None:
+    store = chunked_memory()
+    tiny = Digest.of(b"a")
+    with pytest.raises(ValueError, match="at most"):
+        await store.splice(Digest.of(b"a" * 100_000), [tiny] * 100_000)
+
+
+async def test_chunks_survive_a_restart_of_the_disk_store(tmp_path: Path) -> None:
+    data = random.Random(7).randbytes(150_000)
+    digest = Digest.of(data)
+    storage = await DiskStorage.open(tmp_path / "store", 1 << 30)
+    try:
+        await ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192).write(digest, single_chunk(data))
+    finally:
+        await storage.close()
+    storage = await DiskStorage.open(tmp_path / "store", 1 << 30)
+    try:
+        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192)
+        assert await store.find_missing([digest]) == []
+        assert await read_all(store, digest) == data
+        assert await storage.cas.find_missing([digest]) == [digest]  # kept as chunks, not whole
+    finally:
+        await storage.close()
