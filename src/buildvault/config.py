@@ -103,6 +103,12 @@ class Settings:
     eviction_hold: int = _setting(
         2, int, "seconds a just-used blob or entry is kept from eviction for a write (0: plain LRU)", "SECONDS"
     )
+    chunking: bool = _setting(
+        True, parse_bool, "keep large blobs as FastCDC 2020 chunks and serve SplitBlob/SpliceBlob (false: off)", "BOOL"
+    )
+    chunking_threshold: int = _setting(
+        parse_size("2MiB"), parse_size, "blobs of at least this size are kept as chunks", "SIZE"
+    )
     grpc_address: str = _setting("127.0.0.1:9092", parse_address, "gRPC listen address (empty: off)", "HOST:PORT")
     http_address: str = _setting("127.0.0.1:8080", parse_address, "HTTP listen address (empty: off)", "HOST:PORT")
     processes: int = _setting(

@@ -121,6 +121,7 @@ class App:
                 auth=self.auth,
                 history=await self._open_history(),
                 secret_patterns=tuple(p for p in self.settings.history_secret_patterns.split(",") if p.strip()),
+                chunks=stack.chunks,
             )
             # Remote execution: the scheduler and local workers, before the listeners that serve them.
             try:

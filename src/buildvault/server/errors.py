@@ -77,6 +77,10 @@ class ServiceUnavailable(RequestError, code=grpc.StatusCode.UNAVAILABLE, http=50
     pass
 
 
+class Unimplemented(RequestError, code=grpc.StatusCode.UNIMPLEMENTED, http=501):
+    pass
+
+
 @dataclass(frozen=True)
 class Mapped:
     """What an exception means on the wire."""

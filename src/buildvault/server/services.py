@@ -19,6 +19,7 @@ from buildvault.server.auth import Auth
 from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.metrics import Metrics
 from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage.chunks import ChunkedBlobStore
 
 __all__ = ["Listener", "PinsSource", "Services", "StartupError", "StatsSource", "format_address"]
 
@@ -68,6 +69,7 @@ class Services:
     execution: ExecutionRuntime | None = None  # remote execution (buildvault.execution); None: off
     history: Recorder | None = None  # request metadata for the build pages (buildvault.history); None: off
     secret_patterns: tuple[str, ...] = ()  # environment names the build pages mask
+    chunks: ChunkedBlobStore | None = None  # SplitBlob/SpliceBlob (storage/chunks); None: chunking off
 
 
 def format_address(host: str, port: int) -> str:

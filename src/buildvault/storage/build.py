@@ -13,6 +13,7 @@ The CAS stack, outermost first (every tier metered under its own name):
 
     MeteredBlobStore("client")
       EmptyBlobStore                        the empty blob is always present
+       ChunkedBlobStore                     large blobs as FastCDC chunks + a chunk list (storage/chunks/)
         TieredBlobStore                     only with a bucket (storage/objectstore/tier.py)
           fast: MeteredBlobStore("local") > DiskBlobStore
           slow: MeteredBlobStore("object_store") > FailOpen > ExistenceCache > ObjectStore
@@ -33,6 +34,7 @@ from typing import Any
 from buildvault.config import Settings, format_size
 from buildvault.digest import Digest
 from buildvault.storage import ActionStore, BlobStore, StorageError
+from buildvault.storage.chunks import ChunkedBlobStore
 from buildvault.storage.empty_blob import EmptyBlobStore
 from buildvault.storage.metrics import CLIENT_TIER, MeteredActionStore, MeteredBlobStore, StoreRecorder
 from buildvault.storage.objectstore.tier import ObjectTier, build_object_tier
@@ -66,6 +68,7 @@ class StoreStack:
     namespaces: Callable[[], Awaitable[list[str]]] | None = None  # the local tier's AC namespaces
     local_actions: ActionStore | None = None  # the local tier alone (start-up reads that must not wait on a bucket)
     object_tier: ObjectTier | None = None
+    chunks: ChunkedBlobStore | None = None  # the chunk store (SplitBlob/SpliceBlob); None: chunking off
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     @property
@@ -122,6 +125,9 @@ async def open_store_stack(
         if isinstance(exc, (OSError, StorageError)):
             raise StackError(f"cannot open the object-store tier: {exc}") from exc
         raise
+    if settings.chunking:
+        stack.chunks = ChunkedBlobStore(stack.blobs, stack.actions, threshold=settings.chunking_threshold)
+        stack.blobs = stack.chunks
     stack.blobs = MeteredBlobStore(EmptyBlobStore(stack.blobs), recorder, CLIENT_TIER)
     stack.actions = MeteredActionStore(stack.actions, recorder, CLIENT_TIER)
     return stack

@@ -11,7 +11,6 @@ from collections import deque
 from collections.abc import Sequence
 from typing import cast
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from buildvault import logs
@@ -22,6 +21,8 @@ from buildvault.remote_apis import re_pb2
 from buildvault.server import errors
 from buildvault.server.grpc import MAX_BATCH_TOTAL_SIZE, Context, rpc
 from buildvault.storage import BlobStore, NotFound
+from buildvault.storage.chunks import ChunkedBlobStore
+from buildvault.storage.chunks.store import MAX_SPLICE_CHUNKS
 
 IDENTITY = re_pb2.Compressor.IDENTITY
 ZSTD = re_pb2.Compressor.ZSTD
@@ -76,9 +77,15 @@ def parse_digests(messages: Sequence[re_pb2.Digest], function: DigestFunction) -
 class CasService:
     """build.bazel.remote.execution.v2.ContentAddressableStorage."""
 
-    def __init__(self, blobs: BlobStore, max_batch_total_size: int = MAX_BATCH_TOTAL_SIZE) -> None:
+    def __init__(
+        self,
+        blobs: BlobStore,
+        max_batch_total_size: int = MAX_BATCH_TOTAL_SIZE,
+        chunks: ChunkedBlobStore | None = None,
+    ) -> None:
         self.blobs = blobs
         self.max_batch_total_size = max_batch_total_size
+        self.chunks = chunks
 
     @rpc("FindMissingBlobs")
     async def FindMissingBlobs(
@@ -247,11 +254,51 @@ class CasService:
             await flush([])
         logs.note(root=str(root), directories=directories, pages=pages)
 
-    async def SplitBlob(self, request: re_pb2.SplitBlobRequest, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SplitBlob is not supported (split_blob_support=false)")
+    @rpc("SplitBlob")
+    async def SplitBlob(self, request: re_pb2.SplitBlobRequest, context: Context) -> re_pb2.SplitBlobResponse:
+        """"The blob is split into chunks which are individually stored in the CAS": a blob stored
+        whole is chunked now, so every chunk returned is readable afterwards."""
+        chunks = self._chunking("SplitBlob")
+        verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        _check_chunking_function(request.chunking_function)
+        digest = Digest.from_proto(request.blob_digest, function)
+        listed = await chunks.split(digest)
+        logs.note(blob=str(digest), chunks=len(listed))
+        return re_pb2.SplitBlobResponse(
+            chunk_digests=[re_pb2.Digest(hash=c.hash, size_bytes=c.size_bytes) for c in listed],
+            chunking_function=re_pb2.ChunkingFunction.FAST_CDC_2020,
+        )
 
-    async def SpliceBlob(self, request: re_pb2.SpliceBlobRequest, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "SpliceBlob is not supported (splice_blob_support=false)")
+    @rpc("SpliceBlob")
+    async def SpliceBlob(self, request: re_pb2.SpliceBlobRequest, context: Context) -> re_pb2.SpliceBlobResponse:
+        """Every chunk must be present (NOT_FOUND naming the missing ones) and their concatenation
+        must hash to `blob_digest` (INVALID_ARGUMENT); either way nothing is stored then."""
+        chunks = self._chunking("SpliceBlob")
+        verify_instance_name(request.instance_name)
+        function = DigestFunction.from_wire(request.digest_function)
+        _check_chunking_function(request.chunking_function)
+        digest = Digest.from_proto(request.blob_digest, function)
+        if len(request.chunk_digests) > MAX_SPLICE_CHUNKS:
+            raise errors.InvalidArgument(
+                f"{len(request.chunk_digests)} chunk digests; at most {MAX_SPLICE_CHUNKS} per SpliceBlob"
+            )
+        listed = parse_digests(request.chunk_digests, function)
+        await chunks.splice(digest, listed)
+        logs.note(blob=str(digest), chunks=len(listed))
+        return re_pb2.SpliceBlobResponse(blob_digest=request.blob_digest)
+
+    def _chunking(self, method: str) -> ChunkedBlobStore:
+        if self.chunks is None:
+            raise errors.Unimplemented(f"{method} is not offered: chunking is off on this server")
+        return self.chunks
+
+
+def _check_chunking_function(value: int) -> None:
+    """Any function the enum names is accepted (blobs are re-chunked with the server's own); a
+    value it does not name is a malformed request."""
+    if value not in re_pb2.ChunkingFunction.Value.values():
+        raise errors.InvalidArgument(f"unknown chunking_function {value}")
 
 
 def _encode_token(pending: list[Digest], root: Digest) -> str:

@@ -82,8 +82,8 @@ class GrpcListener:
         priorities = PRIORITY_RANGE if served else None
         if execution is not None:
             add_execution_services(server, execution, self.requested, access_controlled=controlled)
-        _add_capabilities(CapabilitiesService(s.max_cas_blob_size, priorities), server)
-        _add_cas(CasService(s.blobs), server)
+        _add_capabilities(CapabilitiesService(s.max_cas_blob_size, priorities, s.chunks), server)
+        _add_cas(CasService(s.blobs, chunks=s.chunks), server)
         _add_action_cache(ActionCacheService(s.action_cache), server)
         _add_bytestream(ByteStreamService(s.blobs, s.uploads), server)
         await add_health_service(server, list(_SERVICE_NAMES))

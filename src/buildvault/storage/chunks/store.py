@@ -215,8 +215,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
             listed.extend(p.digest for p in pieces)
         if received != digest.size_bytes or hasher.hexdigest() != digest.hash:
             raise DigestMismatch(
-                f"uploaded bytes ({received} bytes, {digest.function.label} {hasher.hexdigest()}) "
-                f"do not match {digest}"
+                f"uploaded bytes ({received} bytes, {digest.function.label} {hasher.hexdigest()}) do not match {digest}"
             )
         await self._put_list(digest, listed)
         self.logical_bytes += digest.size_bytes
