@@ -35,6 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 SMALL = 3000  # a record
 MEDIUM = 200_000  # a file, read whole in one coalesced trip
 LARGE = (3 << 20) + 17  # a file, streamed in chunks
+# The large blob stays one streamed file: above this the server would keep it as FastCDC chunks,
+# each an ordinary file blob like the medium one.
+WHOLE_FILES = ["--chunking-threshold", "1GiB"]
 DAMAGES = ("removed", "truncated", "flipped")
 
 
@@ -126,7 +129,7 @@ def http_read(server: ServerProcess, d: re_pb2.Digest) -> bytes | int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> ServerProcess:
-    process = ServerProcess(tmp_path_factory.mktemp("healing") / "data", name="healing")
+    process = ServerProcess(tmp_path_factory.mktemp("healing") / "data", name="healing", extra_args=WHOLE_FILES)
     process.start()
     yield process
     try:
@@ -187,7 +190,9 @@ async def test_http_put_after_a_lookup_found_the_file_gone_stores_it(server):
 
 @pytest.mark.parametrize("how", DAMAGES)
 async def test_with_a_bucket_a_read_falls_through_to_it(tmp_path, s3_endpoint, bucket, how):  # noqa: F811
-    server = ServerProcess(tmp_path / "data", name="tiered", extra_args=tier_args(s3_endpoint, bucket)).start()
+    server = ServerProcess(
+        tmp_path / "data", name="tiered", extra_args=[*tier_args(s3_endpoint, bucket), *WHOLE_FILES]
+    ).start()
     try:
         small, large = os.urandom(SMALL), os.urandom(LARGE)
         async with connect(server.grpc_address) as stubs:

@@ -139,9 +139,7 @@ async def test_split_chunks_a_blob_stored_whole_and_every_chunk_is_readable() ->
     await inner.write(digest, single_chunk(data))  # stored before chunking was on
     store = ChunkedBlobStore(inner, MemoryActionStore(), SMALL, threshold=8192)
     chunks = await store.split(digest)
-    assert [bytes(v) for v in cut(data, SMALL)] == [
-        b"".join([d async for d in await inner.read(c)]) for c in chunks
-    ]
+    assert [bytes(v) for v in cut(data, SMALL)] == [b"".join([d async for d in await inner.read(c)]) for c in chunks]
     assert await store.split(digest) == chunks  # answered from the list now
 
 
