@@ -152,6 +152,21 @@ class Settings:
     tls_client_ca_file: str = _setting("", str, "PEM CA certificates that sign client certificates", "FILE")
     tls_client_auth: str = _setting("none", str, "client certificates: none, optional (HTTP only) or require", "MODE")
     min_tls_version: str = _setting("1.2", str, "lowest TLS version accepted: 1.2 or 1.3", "VERSION")
+    # -- Remote Asset (buildvault.assets, docs/asset.md) --
+    asset_origins: str = _setting(
+        "any", str, "where FetchBlob may download: 'any' public host, 'allow-list' (--asset-allow-hosts), 'none'", "MODE"
+    )
+    asset_allow_hosts: str = _setting(
+        "", str, "comma-separated hosts (as written in URLs) that may be fetched even at private addresses", "HOSTS"
+    )
+    asset_allow_private: bool = _setting(False, parse_bool, "let downloads reach private/loopback addresses", "BOOL")
+    asset_max_size: int = _setting(parse_size("4GiB"), parse_size, "largest asset downloaded", "SIZE")
+    asset_connect_timeout: float = _setting(10.0, float, "seconds to connect to an asset origin", "SECONDS")
+    asset_timeout: float = _setting(600.0, float, "seconds a download from one origin may take in all", "SECONDS")
+    asset_max_downloads: int = _setting(8, int, "asset downloads in flight at once", "N")
+    asset_reader_downloads: str = _setting(
+        "checksum", str, "when a caller without write may trigger a download: never, checksum or always", "MODE"
+    )
     # -- remote execution (buildvault.execution) --
     local_workers: str = _setting(
         "",
@@ -219,6 +234,12 @@ class Settings:
             raise ConfigError("tls_cert_file and tls_key_file: set both or neither")
         if self.tls_client_auth != "none" and not (self.tls_client_ca_file and self.tls_cert_file):
             raise ConfigError(f"tls_client_auth {self.tls_client_auth}: needs tls_client_ca_file and tls_cert_file")
+        if self.asset_origins not in ("any", "allow-list", "none"):
+            raise ConfigError(f"asset_origins: {self.asset_origins!r} is not any, allow-list or none")
+        if self.asset_reader_downloads not in ("never", "checksum", "always"):
+            raise ConfigError(f"asset_reader_downloads: {self.asset_reader_downloads!r} is not never, checksum or always")
+        if not (self.asset_timeout > 0 and self.asset_connect_timeout > 0 and self.asset_max_downloads > 0):
+            raise ConfigError("asset_timeout, asset_connect_timeout, asset_max_downloads: must be positive")
         if self.execution not in ("loopback", "open"):
             raise ConfigError(f"execution: {self.execution!r} is not 'loopback' or 'open'")
         if self.sandbox not in ("auto", "bwrap", "none"):

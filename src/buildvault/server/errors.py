@@ -17,6 +17,7 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.actions import InvalidActionResult, MissingBlobs
+from buildvault.assets.errors import AssetNotFound, AssetTimeout, InvalidAssetRequest
 from buildvault.compression import CompressionError, Reason
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import (
@@ -102,6 +103,9 @@ class Mapped:
 # Order matters: the first matching class wins (subclasses before their bases).
 _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, int], ...] = (
     (MissingBlobs, grpc.StatusCode.FAILED_PRECONDITION, 412),
+    (InvalidAssetRequest, grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (AssetTimeout, grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    (AssetNotFound, grpc.StatusCode.NOT_FOUND, 404),
     (InvalidActionResult, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (DigestMismatch, grpc.StatusCode.INVALID_ARGUMENT, 400),
     (InvalidDigest, grpc.StatusCode.INVALID_ARGUMENT, 400),
@@ -148,6 +152,19 @@ def precondition_failure(digests: list[Digest]) -> any_pb2.Any:
     return packed
 
 
+def bad_request(violations: list[tuple[str, str]]) -> any_pb2.Any:
+    """A BadRequest detail: one FieldViolation per (field, description)."""
+    request = error_details_pb2.BadRequest(
+        field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=description[:300])
+            for field, description in violations[:50]
+        ]
+    )
+    packed = any_pb2.Any()
+    packed.Pack(request)
+    return packed
+
+
 def _message(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
@@ -165,6 +182,8 @@ def map_exception(exc: BaseException) -> Mapped:
             details: tuple[any_pb2.Any, ...] = ()
             if isinstance(exc, MissingBlobs):
                 details = (precondition_failure(exc.digests),)
+            elif isinstance(exc, InvalidAssetRequest):
+                details = (bad_request(exc.violations),)
             return Mapped(code, http, _message(exc), details)
     return Mapped(grpc.StatusCode.INTERNAL, 500, f"internal error: {type(exc).__name__}: {_message(exc)}")
 

@@ -387,6 +387,14 @@ class Metrics:
             f"{PREFIX}_secondary_requests", "Requests a secondary process served (in requests too), by index.",
             ["process"], registry=r,
         )  # fmt: skip
+        # Remote Asset (buildvault.assets): result is hit, downloaded, miss, refused or checksum_mismatch.
+        self.asset_fetches = Counter(
+            f"{PREFIX}_asset_fetches", "Remote Asset fetches, by result.", ["result"], registry=r
+        )
+        self.asset_downloaded_bytes = Counter(
+            f"{PREFIX}_asset_downloaded_bytes", "Bytes downloaded from asset origins.", registry=r
+        )
+        self.asset_results: dict[str, int] = {}  # the same counts, for /status
         start = Gauge(f"{PREFIX}_start_time_seconds", "Start time of the server, seconds since the epoch.", registry=r)
         start.set(self.started)
         info = Gauge(f"{PREFIX}_build_info", "Always 1; the version is a label.", ["version"], registry=r)
@@ -416,6 +424,13 @@ class Metrics:
     def observe_request(self, protocol: str, method: str, kind: str, status: str | int, seconds: float) -> None:
         self._child(self.requests, protocol, method, kind, str(status)).inc()
         self._child(self.request_seconds, protocol, method, kind).observe(max(seconds, 0.0))
+
+    def asset_fetch(self, result: str) -> None:
+        self._child(self.asset_fetches, result).inc()
+        self.asset_results[result] = self.asset_results.get(result, 0) + 1
+
+    def asset_downloaded(self, nbytes: int) -> None:
+        self.asset_downloaded_bytes.inc(nbytes)
 
     def ac_lookup(self, protocol: str, hit: bool) -> None:
         if hit:

@@ -10,6 +10,7 @@ else), with `update_enabled` from the caller's own ActionCache write permission.
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,9 +25,10 @@ from buildvault.server.auth.grants import Permission
 from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
 
-__all__ = ["checked", "rule_of"]
+__all__ = ["caller_may", "checked", "rule_of"]
 
 _RE = "/build.bazel.remote.execution.v2."
+_RA = "/build.bazel.remote.asset.v1."
 _BS = "/google.bytestream.ByteStream/"
 _OPEN_PREFIX = "/grpc.health.v1.Health/"
 
@@ -44,12 +46,26 @@ _RULES: dict[str, tuple[Permission, str | None]] = {
     _RE + "ActionCache/UpdateActionResult": (Permission.WRITE, "field"),
     _RE + "Execution/Execute": (Permission.EXECUTE, "field"),
     _RE + "Execution/WaitExecution": (Permission.EXECUTE, None),
+    _RA + "Fetch/FetchBlob": (Permission.READ, "field"),
+    _RA + "Fetch/FetchDirectory": (Permission.READ, "field"),
+    _RA + "Push/PushBlob": (Permission.WRITE, "field"),
+    _RA + "Push/PushDirectory": (Permission.WRITE, "field"),
     _BS + "Read": (Permission.READ, "read"),
     _BS + "Write": (Permission.WRITE, "write"),
     _BS + "QueryWriteStatus": (Permission.WRITE, "write"),
 }
 _CAPABILITIES = _RE + "Capabilities/GetCapabilities"
 Context = grpc.aio.ServicerContext[Any, Any]
+# The authenticated principal of the current call (one task per gRPC call), for a service whose
+# behaviour depends on a permission beyond the one its method needs (Fetch: may a reader download?).
+_caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("buildvault_grpc_caller", default=None)
+
+
+def caller_may(auth: Auth | None, permission: Permission, instance: str) -> bool:
+    """Whether the current call's caller holds `permission` on `instance` (True without access control)."""
+    if auth is None or not auth.policy.enabled:
+        return True
+    return auth.policy.allows(_caller.get(), permission, instance)
 
 
 def rule_of(method: str) -> tuple[Permission, str | None] | None:
@@ -144,6 +160,7 @@ class _Check:
                 logs.end_request(token, self.method.rpartition("/")[2], code.name, started, context.peer())
             await context.abort(code, str(refusal))
         logs.set_principal(principal or ANONYMOUS)
+        _caller.set(principal)
         return principal
 
     def update_enabled(self, principal: str | None, request: Any, response: Any) -> Any:
