@@ -429,7 +429,7 @@ def entry_is_intact(kind: str, data: bytes) -> bool:
     not parsed."""
     if not data or not data.strip(b"\x00"):
         return False
-    if kind != "ac":
+    if kind not in ("ac", "asset"):  # Remote Asset entries are ActionResults too
         return True
     try:
         re_pb2.ActionResult.FromString(data)

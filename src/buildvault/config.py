@@ -154,7 +154,10 @@ class Settings:
     min_tls_version: str = _setting("1.2", str, "lowest TLS version accepted: 1.2 or 1.3", "VERSION")
     # -- Remote Asset (buildvault.assets, docs/asset.md) --
     asset_origins: str = _setting(
-        "any", str, "where FetchBlob may download: 'any' public host, 'allow-list' (--asset-allow-hosts), 'none'", "MODE"
+        "any",
+        str,
+        "where FetchBlob downloads from: 'any' public host, 'allow-list' (the allow-hosts), 'none'",
+        "MODE",
     )
     asset_allow_hosts: str = _setting(
         "", str, "comma-separated hosts (as written in URLs) that may be fetched even at private addresses", "HOSTS"
@@ -237,7 +240,9 @@ class Settings:
         if self.asset_origins not in ("any", "allow-list", "none"):
             raise ConfigError(f"asset_origins: {self.asset_origins!r} is not any, allow-list or none")
         if self.asset_reader_downloads not in ("never", "checksum", "always"):
-            raise ConfigError(f"asset_reader_downloads: {self.asset_reader_downloads!r} is not never, checksum or always")
+            raise ConfigError(
+                f"asset_reader_downloads: {self.asset_reader_downloads!r} is not never, checksum or always"
+            )
         if not (self.asset_timeout > 0 and self.asset_connect_timeout > 0 and self.asset_max_downloads > 0):
             raise ConfigError("asset_timeout, asset_connect_timeout, asset_max_downloads: must be positive")
         if self.execution not in ("loopback", "open"):

@@ -16,7 +16,9 @@ In order, so that an interrupted run leaves every remaining action entry complet
    than `--grace` (uploads in flight are never touched), oldest first, until the bucket is under
    `--max-size` (without it: all of them).
 
-Entries of other kinds (`raw`: ccache's opaque entries) reference no blob and only age out.
+Remote Asset entries (kind `asset`, buildvault.assets.index) are ActionResults too: their blobs
+are kept like an `ac` entry's. Entries of other kinds (`raw`: ccache's opaque entries) reference
+no blob and only age out.
 `--dry-run` deletes nothing and reports what would go.
 """
 
@@ -90,7 +92,7 @@ def entry_references(bucket: Bucket, entry: Obj) -> set[str]:
     """Blob keys an `ac`-kind entry needs (its Tree blobs' files included); empty for other kinds."""
     relative = entry.key[len(bucket.prefix) :].split("/")
     # ac/<namespace...>/<fn>/<hash>; the namespace's first segment is the kind
-    if len(relative) < 4 or relative[1] != "ac":
+    if len(relative) < 4 or relative[1] not in ("ac", "asset"):  # asset entries are ActionResults too
         return set()
     function = relative[-2]
     data = bucket.get(entry.key)

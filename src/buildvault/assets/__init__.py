@@ -24,8 +24,16 @@ if TYPE_CHECKING:
 SPOOL_DIR = "asset-downloads"  # under the data directory: a download not yet verified
 
 
-def build_assets(settings: Settings, blobs: BlobStore, actions: ActionStore, recorder: FetchRecorder | None) -> Assets:
-    """The Remote Asset service of a server, from its settings (the one place it is assembled)."""
+def build_assets(
+    settings: Settings,
+    blobs: BlobStore,
+    actions: ActionStore,
+    recorder: FetchRecorder | None,
+    *,
+    primary: bool = True,
+) -> Assets:
+    """The Remote Asset service of a server process, from its settings (the one place it is
+    assembled). The primary clears the spool directory of a crash's leftovers."""
     from buildvault.assets.index import AssetIndex
     from buildvault.assets.origin import OriginFetcher, OriginRules
     from buildvault.assets.service import Assets
@@ -45,6 +53,8 @@ def build_assets(settings: Settings, blobs: BlobStore, actions: ActionStore, rec
             max_downloads=settings.asset_max_downloads,
             recorder=recorder,
         )
+        if primary:
+            fetcher.clean_spool()
     return Assets(
         AssetIndex(actions, blobs), fetcher, reader_downloads=settings.asset_reader_downloads, recorder=recorder
     )

@@ -82,24 +82,36 @@ class Entry:
         qualifiers = [ra_pb2.Qualifier(name=n, value=v) for n, v in self.qualifiers]
         expires = _timestamp(self.expires_at) if self.expires_at is not None else None
         result = re_pb2.ActionResult(
-            execution_metadata=re_pb2.ExecutedActionMetadata(worker=_WORKER, queued_timestamp=_timestamp(self.stored_at))
+            execution_metadata=re_pb2.ExecutedActionMetadata(
+                worker=_WORKER, queued_timestamp=_timestamp(self.stored_at)
+            )
         )
         if self.tree is None:
-            aux.Pack(ra_pb2.FetchBlobResponse(uri=self.uri, qualifiers=qualifiers, expires_at=expires,
-                                              blob_digest=self.digest.to_proto(re_pb2.Digest),  # type: ignore[arg-type]
-                                              digest_function=function.proto))
-            result.output_files.append(
-                re_pb2.OutputFile(path=_PATH, digest=self.digest.to_proto(re_pb2.Digest))  # type: ignore[arg-type]
+            aux.Pack(
+                ra_pb2.FetchBlobResponse(
+                    uri=self.uri,
+                    qualifiers=qualifiers,
+                    expires_at=expires,
+                    blob_digest=self.digest.to_proto(re_pb2.Digest),
+                    digest_function=function.proto,
+                )
             )
+            result.output_files.append(re_pb2.OutputFile(path=_PATH, digest=self.digest.to_proto(re_pb2.Digest)))
         else:
-            aux.Pack(ra_pb2.FetchDirectoryResponse(uri=self.uri, qualifiers=qualifiers, expires_at=expires,
-                                                   root_directory_digest=self.digest.to_proto(re_pb2.Digest),  # type: ignore[arg-type]
-                                                   digest_function=function.proto))
+            aux.Pack(
+                ra_pb2.FetchDirectoryResponse(
+                    uri=self.uri,
+                    qualifiers=qualifiers,
+                    expires_at=expires,
+                    root_directory_digest=self.digest.to_proto(re_pb2.Digest),
+                    digest_function=function.proto,
+                )
+            )
             result.output_directories.append(
                 re_pb2.OutputDirectory(
                     path=_PATH,
-                    tree_digest=self.tree.to_proto(re_pb2.Digest),  # type: ignore[arg-type]
-                    root_directory_digest=self.digest.to_proto(re_pb2.Digest),  # type: ignore[arg-type]
+                    tree_digest=self.tree.to_proto(re_pb2.Digest),
+                    root_directory_digest=self.digest.to_proto(re_pb2.Digest),
                 )
             )
         result.execution_metadata.auxiliary_metadata.append(aux)

@@ -87,8 +87,13 @@ def is_private_address(address: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return bool(
-        ip.is_loopback or ip.is_link_local or ip.is_private or ip.is_multicast or ip.is_unspecified
-        or ip.is_reserved or not ip.is_global
+        ip.is_loopback
+        or ip.is_link_local
+        or ip.is_private
+        or ip.is_multicast
+        or ip.is_unspecified
+        or ip.is_reserved
+        or not ip.is_global
     )
 
 
@@ -140,7 +145,9 @@ class GuardedResolver(AbstractResolver):
         self.rules = rules
         self.inner = aiohttp.ThreadedResolver()
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         results = await self.inner.resolve(host, port, family)
         if not self.rules.exempt(host):
             for result in results:
@@ -184,9 +191,6 @@ class OriginFetcher:
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             self.spool_dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.spool_dir.glob("download-*"):  # a crash's leftovers
-                with contextlib.suppress(OSError):
-                    stale.unlink()
             connector = aiohttp.TCPConnector(resolver=GuardedResolver(self.rules), limit=0, ttl_dns_cache=10)
             self._session = aiohttp.ClientSession(
                 connector=connector,
@@ -195,6 +199,13 @@ class OriginFetcher:
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout),
             )
         return self._session
+
+    def clean_spool(self) -> None:
+        """Remove what a crash left in the spool directory (the primary, at start-up, before any
+        process downloads)."""
+        for stale in self.spool_dir.glob("download-*"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -293,9 +304,8 @@ class OriginFetcher:
                     raise AttemptFailed("the origin sent more than its Content-Length")
                 for hasher in others.values():
                     hasher.update(chunk)
-                if received == length:  # the last chunk: everything else must match first
-                    if others:
-                        _verify(checksums, {k: h.digest() for k, h in others.items()}, skip="sha256")
+                if received == length and others:  # the last chunk: everything else must match first
+                    _verify(checksums, {k: h.digest() for k, h in others.items()}, skip="sha256")
                 yield chunk
             if received == 0 and others:
                 _verify(checksums, {k: h.digest() for k, h in others.items()}, skip="sha256")
@@ -357,10 +367,9 @@ def _verify(checksums: Sequence[Checksum], computed: dict[str, bytes], skip: str
 
 
 async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
-    with open(path, "rb") as f:  # noqa: ASYNC230 - reads go to a thread below
+    with open(path, "rb") as f:
         while True:
             chunk = await asyncio.to_thread(f.read, CHUNK)
             if not chunk:
                 return
             yield chunk
-

@@ -221,8 +221,9 @@ def parse_request(
     headers: list[dict[str, str]] = [{} for _ in uris]
     for name, value in pairs:
         if len(name) > MAX_NAME_LENGTH or len(value) > MAX_VALUE_LENGTH:
-            violations.append(("qualifiers", f"a qualifier name is at most {MAX_NAME_LENGTH} characters, a value "
-                                             f"{MAX_VALUE_LENGTH}"))
+            violations.append(
+                ("qualifiers", f"a qualifier name is at most {MAX_NAME_LENGTH} characters, a value {MAX_VALUE_LENGTH}")
+            )
             continue
         if name in seen:
             violations.append(("qualifiers.name", f'"{name}" given twice (names must be unique)'))
@@ -258,4 +259,3 @@ def parse_request(
     if violations:
         raise InvalidAssetRequest(violations)
     return AssetRequest(instance, tuple(uris), function, checksums, tuple(sorted(named)), tuple(headers))
-

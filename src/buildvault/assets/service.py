@@ -106,10 +106,10 @@ class Assets:
         self, request: AssetRequest, *, may_write: bool, oldest: float | None = None, timeout: float | None = None
     ) -> Found:
         if request.checksums:
-            keys = [sri_key(c) for c in request.checksums]
+            entry = await self._by_checksums(request, oldest)
         else:
             keys = [uri_key(uri, request.named) for uri in request.uris]
-        entry = await self.index.find(request.instance_name, request.digest_function, keys, oldest=oldest)
+            entry = await self.index.find(request.instance_name, request.digest_function, keys, oldest=oldest)
         if entry is None and oldest is None:
             entry = await self._in_cas(request)
         if entry is not None:
@@ -137,6 +137,19 @@ class Assets:
         # A caller that goes away does not cancel the download others (or a retry) wait for.
         return await asyncio.shield(task)
 
+    async def _by_checksums(self, request: AssetRequest, oldest: float | None) -> Entry | None:
+        """A hit needs, for every algorithm the request names, an entry under one of its values,
+        all of them the same blob: content verified against sha384 alone does not answer a
+        request that also pins a sha512."""
+        found: Entry | None = None
+        for algorithm in dict.fromkeys(c.algorithm for c in request.checksums):
+            keys = [sri_key(c) for c in request.checksums if c.algorithm == algorithm]
+            entry = await self.index.find(request.instance_name, request.digest_function, keys, oldest=oldest)
+            if entry is None or (found is not None and entry.digest != found.digest):
+                return None
+            found = found or entry
+        return found
+
     def _reader_may_download(self, request: AssetRequest) -> bool:
         if self.reader_downloads == "always":
             return True
@@ -145,7 +158,9 @@ class Assets:
     async def _in_cas(self, request: AssetRequest) -> Entry | None:
         """A sha256 checksum whose blob is already in the CAS (pushed, uploaded, or fetched by a
         server that shares the bucket but not this index entry)."""
-        if request.digest_function is not DigestFunction.SHA256:
+        if request.digest_function is not DigestFunction.SHA256 or any(
+            c.algorithm != "sha256" for c in request.checksums
+        ):
             return None
         for checksum in request.checksums:
             if checksum.algorithm != "sha256":
@@ -194,11 +209,13 @@ class Assets:
             self.recorder.asset_fetch("downloaded")
             log.info("asset downloaded from %s: %s", _host(uri), digest)
             return Found(entry, uri)
-        result = "checksum_mismatch" if "checksum_mismatch" in kinds else (
-            "refused" if kinds and all(k == "refused" for k in kinds) else "miss"
+        result = (
+            "checksum_mismatch"
+            if "checksum_mismatch" in kinds
+            else ("refused" if kinds and all(k == "refused" for k in kinds) else "miss")
         )
         self.recorder.asset_fetch(result)
-        for (shown, answer), kind in zip(attempts, kinds, strict=True):
+        for (shown, _answer), kind in zip(attempts, kinds, strict=True):
             log.info("asset fetch from %s failed (%s)", _host(shown), kind)
         if kinds and all(k == "timeout" for k in kinds):
             raise AssetTimeout("every origin timed out", attempts)
@@ -206,8 +223,9 @@ class Assets:
 
     async def fetch_directory(self, request: AssetRequest, *, oldest: float | None = None) -> Found:
         keys = [uri_key(uri, request.named) for uri in request.uris] + [sri_key(c) for c in request.checksums]
-        entry = await self.index.find(request.instance_name, request.digest_function, keys, oldest=oldest,
-                                      directory=True)
+        entry = await self.index.find(
+            request.instance_name, request.digest_function, keys, oldest=oldest, directory=True
+        )
         if entry is None:
             self.recorder.asset_fetch("miss")
             raise AssetNotFound(
@@ -225,8 +243,9 @@ class Assets:
         missing = await self.index.blobs.find_missing([digest])
         if missing:
             raise MissingBlobs(missing)
-        await self._record(request, Entry(digest, self.clock(), request.uris[0], tuple(request.qualifiers()),
-                                          expire_at))
+        await self._record(
+            request, Entry(digest, self.clock(), request.uris[0], tuple(request.qualifiers()), expire_at)
+        )
 
     async def push_directory(self, request: AssetRequest, root: Digest, expire_at: float | None) -> None:
         """Associate the URIs with a Directory tree whose every Directory and file is in the CAS;
@@ -238,8 +257,9 @@ class Assets:
         data = tree.SerializeToString()
         tree_digest = Digest.of(data, root.function)
         await self.index.blobs.write(tree_digest, single_chunk(data))
-        await self._record(request, Entry(root, self.clock(), request.uris[0], tuple(request.qualifiers()),
-                                          expire_at, tree_digest))
+        await self._record(
+            request, Entry(root, self.clock(), request.uris[0], tuple(request.qualifiers()), expire_at, tree_digest)
+        )
 
     async def _record(self, request: AssetRequest, entry: Entry) -> None:
         keys = [uri_key(uri, request.named) for uri in request.uris] + [sri_key(c) for c in request.checksums]
@@ -267,8 +287,9 @@ class Assets:
                     raise InvalidAssetRequest([("root_directory_digest", f"{digest} is not a Directory")]) from None
                 directories.append(directory)
                 if len(directories) > MAX_PUSHED_DIRECTORIES:
-                    raise InvalidAssetRequest([("root_directory_digest",
-                                                f"more than {MAX_PUSHED_DIRECTORIES} directories")])
+                    raise InvalidAssetRequest(
+                        [("root_directory_digest", f"more than {MAX_PUSHED_DIRECTORIES} directories")]
+                    )
                 try:
                     for node in directory.files:
                         files.add(Digest.from_proto(node.digest, root.function))
@@ -290,4 +311,3 @@ def _host(uri: str) -> str:
     rest = uri.partition("://")[2]
     authority = rest.split("/", 1)[0].rpartition("@")[2]
     return authority or "?"
-

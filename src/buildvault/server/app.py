@@ -20,6 +20,7 @@ from typing import Any
 
 from buildvault import logs
 from buildvault.actions import ActionCache, entry_is_intact
+from buildvault.assets import build_assets
 from buildvault.config import Settings
 from buildvault.execution.runtime import ExecutionRuntime, ExecutionSetupError
 from buildvault.history import Recorder, recorder_from_settings
@@ -122,6 +123,7 @@ class App:
                 history=await self._open_history(),
                 secret_patterns=tuple(p for p in self.settings.history_secret_patterns.split(",") if p.strip()),
                 chunks=stack.chunks,
+                assets=build_assets(self.settings, blobs, actions, self.metrics),
             )
             # Remote execution: the scheduler and local workers, before the listeners that serve them.
             try:
@@ -192,6 +194,8 @@ class App:
             await remove_private_socket(store_server.path)
         if self.services is not None:
             await self.services.uploads.close()
+            if self.services.assets is not None:
+                await self.services.assets.close()
         closers, self._closers = self._closers, []
         for close in reversed(closers):
             try:

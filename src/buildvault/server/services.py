@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from buildvault.actions import ActionCache
+from buildvault.assets.service import Assets
 from buildvault.execution.runtime import ExecutionRuntime
 from buildvault.history import Recorder
 from buildvault.server.auth import Auth
@@ -70,6 +71,7 @@ class Services:
     history: Recorder | None = None  # request metadata for the build pages (buildvault.history); None: off
     secret_patterns: tuple[str, ...] = ()  # environment names the build pages mask
     chunks: ChunkedBlobStore | None = None  # SplitBlob/SpliceBlob (storage/chunks); None: chunking off
+    assets: Assets | None = None  # Remote Asset Fetch and Push (buildvault.assets); None: not served
 
 
 def format_address(host: str, port: int) -> str:

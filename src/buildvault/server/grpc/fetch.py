@@ -43,7 +43,10 @@ def _timeout(message: duration_pb2.Duration) -> float | None:
 
 
 def request_of(
-    request: ra_pb2.FetchBlobRequest | ra_pb2.FetchDirectoryRequest | ra_pb2.PushBlobRequest | ra_pb2.PushDirectoryRequest,
+    request: ra_pb2.FetchBlobRequest
+    | ra_pb2.FetchDirectoryRequest
+    | ra_pb2.PushBlobRequest
+    | ra_pb2.PushDirectoryRequest,
 ) -> AssetRequest:
     parsed = parse_request(
         request.instance_name, list(request.uris), [(q.name, q.value) for q in request.qualifiers],
@@ -85,7 +88,7 @@ class FetchService:
             uri=found.uri,
             qualifiers=_qualifiers(parsed.qualifiers()),
             expires_at=_expires(found),
-            blob_digest=found.entry.digest.to_proto(re_pb2.Digest),  # type: ignore[arg-type]
+            blob_digest=found.entry.digest.to_proto(re_pb2.Digest),
             digest_function=parsed.digest_function.proto,
         )
 
@@ -101,6 +104,6 @@ class FetchService:
             uri=found.uri,
             qualifiers=_qualifiers(parsed.qualifiers()),
             expires_at=_expires(found),
-            root_directory_digest=found.entry.digest.to_proto(re_pb2.Digest),  # type: ignore[arg-type]
+            root_directory_digest=found.entry.digest.to_proto(re_pb2.Digest),
             digest_function=parsed.digest_function.proto,
         )

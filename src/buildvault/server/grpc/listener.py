@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from buildvault.execution.executor import PRIORITY_RANGE
-from buildvault.remote_apis import bs_grpc, re_grpc
+from buildvault.remote_apis import bs_grpc, ra_grpc, re_grpc
 from buildvault.server.auth.grpc_auth import checked
 from buildvault.server.auth.health import add_health_service
 from buildvault.server.auth.tls import TlsError
@@ -18,6 +18,8 @@ from buildvault.server.grpc.bytestream import ByteStreamService
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
 from buildvault.server.grpc.execution import add_execution_services
+from buildvault.server.grpc.fetch import FetchService
+from buildvault.server.grpc.push import PushService
 from buildvault.server.grpc.recorded import recorded
 from buildvault.server.grpc.registration import WrappingServer
 from buildvault.server.grpc.request_metrics import metered
@@ -31,6 +33,8 @@ _add_capabilities: _Register = re_grpc.add_CapabilitiesServicer_to_server
 _add_cas: _Register = re_grpc.add_ContentAddressableStorageServicer_to_server
 _add_action_cache: _Register = re_grpc.add_ActionCacheServicer_to_server
 _add_bytestream: _Register = bs_grpc.add_ByteStreamServicer_to_server
+_add_fetch: _Register = ra_grpc.add_FetchServicer_to_server
+_add_push: _Register = ra_grpc.add_PushServicer_to_server
 
 # What the health service reports on (grpc.health.v1; always open, even under `require`).
 _SERVICE_NAMES = (
@@ -86,6 +90,9 @@ class GrpcListener:
         _add_cas(CasService(s.blobs, chunks=s.chunks), server)
         _add_action_cache(ActionCacheService(s.action_cache), server)
         _add_bytestream(ByteStreamService(s.blobs, s.uploads), server)
+        if s.assets is not None:
+            _add_fetch(FetchService(s.assets, auth), server)
+            _add_push(PushService(s.assets, auth), server)
         await add_health_service(server, list(_SERVICE_NAMES))
         host, _, _ = self.requested.rpartition(":")
         try:

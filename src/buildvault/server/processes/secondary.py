@@ -28,6 +28,7 @@ from typing import Any
 
 from buildvault import logs
 from buildvault.actions import ActionCache
+from buildvault.assets import build_assets
 from buildvault.config import Settings, load_settings
 from buildvault.history import recorder_from_settings
 from buildvault.server.auth import Auth, AuthStartupError
@@ -79,6 +80,7 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
         max_cas_blob_size=int(config["max_blob_size"]),
         auth=auth,
         history=recorder_from_settings(settings, primary=False),
+        assets=build_assets(settings, blobs, actions, metrics, primary=False),
     )
     if services.history is not None:
         await services.history.start()
