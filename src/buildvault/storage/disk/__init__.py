@@ -2,19 +2,19 @@
 
 One process per root (an flock on root/LOCK). The modules, one concern each:
 
-    layout       paths, namespaces, index-key encoding, leaf-directory listings
-    index        the in-memory index: LRU order, space accounting, reservations, eviction choice
-    accache      action entries kept in memory
-    findmissing  FindMissingBlobs from the index alone
+    layout       paths, namespaces, index-key encoding, which entries are records, listings
+    records      small blobs and action entries as LMDB records: format, checks, charge
+    index        the in-memory index: LRU order, space accounting, reservations, eviction
+                 choice, action entries kept in memory, FindMissingBlobs
+    core         the one owner of the shared state (the index, the pool and its coalescer,
+                 renames and unlinks in flight, suspects): space, claims, publishes, eviction,
+                 healing
     fileops      file operations run in the worker threads; temp files
-    chunks       the iterators reads return
-    coalescer    one pool trip per event-loop iteration for small operations
-    core         the one owner of the shared state: space, claims, publishes, eviction, healing
     writes       receive, verify, publish; BatchUpdateBlobs
-    reads        ranged reads, batches, lookup by hash, action entries
+    reads        ranged reads, batches, lookup by hash, action entries; the chunk iterators
     snapshot     the index snapshot's format
     durability   sync points, the SYNC marker, crash re-verification
-    startup      lock, temp clean-up, index rebuild
+    startup      lock, temp clean-up, index rebuild, records reconciled and re-verified
     store        DiskStorage and its DiskBlobStore / DiskActionStore faces
 
 The store parses no REAPI message: after an unclean shutdown it checks action entries with the

@@ -20,22 +20,32 @@ confirmation) is not evicted to make room for a write: the client told about it 
 fetch or reference it, and an ActionCache hit whose output is gone fails a Bazel build, while a
 refused upload (StorageFull: RESOURCE_EXHAUSTED) only costs a later rebuild. Dict order is
 recency order, so eviction stops at the first such entry.
+
+FindMissingBlobs is answered from the index alone (`find_missing`, `missing_indices`): no
+syscalls, no pool trip, keys built inline (1,000 digests a call). Hits count as uses: a client
+told "present" will reference the blob soon.
+
+Action entries recently written or read are kept in memory (`AcCache`, first in first out within
+AC_CACHE_BYTES), so a GetActionResult hit makes no trip to the worker threads; the index keeps it
+current (an entry replaced or evicted leaves it at once).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from buildvault.storage.disk.accache import AcCache
-from buildvault.storage.disk.layout import AC_TAG, cas_size, dir_id
-from buildvault.storage.disk.records import charge, held
+from buildvault.digest import Digest, DigestFunction
+from buildvault.storage.disk.layout import AC_TAG, FN_BYTE, SIZE_BYTES, cas_size, dir_id, held
+from buildvault.storage.disk.records import charge
 
 # Entries used this recently are not evicted for a write (see the module docstring). Ticks are
 # whole seconds: an entry is held between HOLD_SECONDS - 1 and HOLD_SECONDS after its last use.
 # 0: plain LRU.
 HOLD_SECONDS = 2
+AC_CACHE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,48 @@ class DiskStats:
     ac_entries: int
     evictions_total: int
     lru_age_seconds: float  # age of the least recently used entry: how long an item survives
+
+
+class AcCache:
+    """AC key -> entry bytes, oldest first. An entry over 1/64 of the capacity is not kept."""
+
+    __slots__ = ("_entries", "nbytes")
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, bytes] = {}
+        self.nbytes = 0  # bytes held
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._entries.get(key)
+
+    def put(self, key: bytes, data: bytes) -> None:
+        if len(data) > AC_CACHE_BYTES // 64:
+            return
+        self.discard(key)
+        entries = self._entries
+        entries[key] = data
+        self.nbytes += len(data)
+        while self.nbytes > AC_CACHE_BYTES:
+            self.discard(next(iter(entries)))
+
+    def discard(self, key: bytes) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= len(old)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def held_bytes(self) -> int:
+        """The sum of the held entries' sizes (recounted: `nbytes` must equal it)."""
+        return sum(map(len, self._entries.values()))
 
 
 class Index:
@@ -181,6 +233,58 @@ class Index:
             self.forget(key)
         self.evictions += len(victims)
         return victims
+
+    def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        """The digests not stored, in input order, each once."""
+        entries: dict[Any, int] = self.entries
+        now = self.now()
+        fn_byte = FN_BYTE
+        fromhex = bytes.fromhex
+        seen: set[object] = set()
+        missing: list[Digest] = []
+        for digest in digests:
+            key: Any
+            try:
+                key = fn_byte[digest.function] + fromhex(digest.hash) + digest.size_bytes.to_bytes(SIZE_BYTES, "big")
+                if len(key) != 39:
+                    key = digest  # malformed: never stored
+            except (ValueError, TypeError, OverflowError):
+                key = digest
+            if key in seen:
+                continue
+            seen.add(key)
+            if entries.pop(key, None) is None:
+                missing.append(digest)
+            else:  # a client told "present" will reference it soon: keep it
+                entries[key] = now
+        return missing
+
+    def missing_indices(self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """find_missing without Digest objects: positions of the absent (first occurrences), ascending."""
+        entries: dict[Any, int] = self.entries
+        now = self.now()
+        fn_byte = FN_BYTE[function]
+        fromhex = bytes.fromhex
+        missing: list[int] = []
+        unique = len(set(hashes)) == len(hashes)  # the usual case: no need to track duplicates
+        seen: set[object] = set()
+        for i, (hex_hash, size) in enumerate(zip(hashes, sizes, strict=False)):  # callers pass equal lengths
+            key: Any
+            try:
+                key = fn_byte + fromhex(hex_hash) + size.to_bytes(SIZE_BYTES, "big")
+                if len(key) != 39:
+                    key = (hex_hash, size)  # malformed: never stored
+            except (ValueError, TypeError, OverflowError):
+                key = (hex_hash, size)
+            if not unique:
+                if key in seen:
+                    continue
+                seen.add(key)
+            if entries.pop(key, None) is None:
+                missing.append(i)
+            else:  # a client told "present" will reference it soon: keep it
+                entries[key] = now
+        return missing
 
     def stats(self) -> DiskStats:
         age = 0.0

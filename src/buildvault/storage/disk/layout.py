@@ -33,6 +33,7 @@ FN_BY_BYTE = {fn.wire: fn for fn in DigestFunction}
 SIZE_BYTES = 6  # 256 TiB: more than any disk cache; keeps a key at 39 bytes (a 72-byte object)
 MAX_BLOB = 1 << (8 * SIZE_BYTES)
 AC_TAG = ord("A")  # first byte of AC keys; CAS keys start with a digest-function wire number (1 or 9)
+MAX_KEY = 511  # LMDB's key limit; a longer AC key (a very long instance name) stays a file
 SHARDS = tuple(f"{i:02x}" for i in range(256))
 SHARD_SET = frozenset(SHARDS)
 SEGMENT = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -59,6 +60,11 @@ def check_namespace(namespace: str) -> None:
     for segment in namespace.split("/"):
         if segment in (".", "..") or not SEGMENT.fullmatch(segment):
             raise InvalidDigest(f"invalid action namespace {namespace[:100]!r}")
+
+
+def held(limit: int, key: bytes, size: int) -> bool:
+    """Whether an entry of this key and size is a record (else a file)."""
+    return size <= limit and len(key) <= MAX_KEY
 
 
 def cas_key(digest: Digest) -> bytes:
@@ -98,7 +104,7 @@ class Layout:
         self.lock_path = str(root / "LOCK")
 
     def path(self, key: bytes) -> str:
-        """The file of an index key (an entry that is a file: records.held)."""
+        """The file of an index key (an entry that is a file: `held`)."""
         if key[0] == AC_TAG:
             hex_hash = key[-32:].hex()
             namespace = key[1:-34].decode()

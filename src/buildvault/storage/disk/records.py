@@ -2,7 +2,7 @@
 
 CAS blobs up to the store's record limit (RECORD_LIMIT by default) and action entries up to it
 are records; larger ones stay files (layout.py). Where an entry lives is a function of its key
-and size alone (`held`), so no map of locations is kept.
+and size alone (layout.held), so no map of locations is kept.
 
 Record: key = the index key (layout.py: function byte, raw hash, size for CAS; b"A", namespace,
 NUL, function byte, raw hash for AC), value = CRC-32 of the data (4 bytes, little-endian) + the
@@ -56,7 +56,6 @@ log = logging.getLogger("buildvault.storage.disk")
 # overflow pages, and with a mix of sizes the free runs fragment: at 40 KiB LMDB grew its file
 # past the cap (see `charge`); up to 16 KiB it stayed within (bench/RESULTS.md, issue 15).
 RECORD_LIMIT = 16 << 10
-MAX_KEY = 511  # LMDB's key limit; a longer AC key (a very long instance name) stays a file
 PAGE = mmap.PAGESIZE  # LMDB's page size is the OS page size
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
@@ -70,11 +69,6 @@ _MAP_MAX = 1 << 46
 
 # What LMDB raises for an environment whose pages are not what they should be.
 DAMAGED_ENV = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError)
-
-
-def held(limit: int, key: bytes, size: int) -> bool:
-    """Whether an entry of this key and size is a record (else a file)."""
-    return size <= limit and len(key) <= MAX_KEY
 
 
 def charge(key: bytes, size: int) -> int:

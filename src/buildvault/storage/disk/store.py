@@ -3,7 +3,7 @@ its two faces, `DiskBlobStore` (the CAS) and `DiskActionStore` (action entries),
 size cap and one LRU.
 
 The hot paths, the on-disk layout and durability are described in the modules that own them
-(writes, reads, findmissing, coalescer; layout; durability, snapshot, startup) and in
+(writes, reads, index, core; layout; durability, snapshot, startup) and in
 docs/architecture.md.
 """
 
@@ -20,11 +20,10 @@ from typing import Any
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import StorageError
-from buildvault.storage.disk import findmissing, layout, records, snapshot, startup
-from buildvault.storage.disk.accache import AcCache
+from buildvault.storage.disk import layout, records, snapshot, startup
 from buildvault.storage.disk.core import Core
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
-from buildvault.storage.disk.index import HOLD_SECONDS, DiskStats
+from buildvault.storage.disk.index import HOLD_SECONDS, AcCache, DiskStats
 from buildvault.storage.disk.layout import cas_key
 from buildvault.storage.disk.reads import Reader
 from buildvault.storage.disk.writes import Writer
@@ -277,7 +276,7 @@ class DiskStorage:
 
     def is_record(self, digest: Digest) -> bool:
         """Whether the blob `digest` is (or would be) a record rather than a file."""
-        return records.held(self._core.index.limit, layout.cas_key(digest), digest.size_bytes)
+        return layout.held(self._core.index.limit, layout.cas_key(digest), digest.size_bytes)
 
     @property
     def record_limit(self) -> int:
@@ -307,7 +306,7 @@ class DiskBlobStore:
         uses (they are about to be referenced)."""
         if self._core.suspects:
             await self._core.recheck(digests)
-        return findmissing.find_missing(self._core.index, digests)
+        return self._core.index.find_missing(digests)
 
     async def find_missing_indices(
         self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
@@ -319,7 +318,7 @@ class DiskBlobStore:
         if core.suspects:
             suspects = core.suspects
             await core.recheck(Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in suspects)
-        return findmissing.missing_indices(core.index, function, hashes, sizes)
+        return core.index.missing_indices(function, hashes, sizes)
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
         return await self._reader.read(digest, offset, limit)

@@ -29,8 +29,7 @@ from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, s
 from buildvault.storage.disk import fileops, records
 from buildvault.storage.disk.core import MIN_WRITE_BATCH, SMALL_OP, UPLOAD_BUFFER_BUDGET, WRITE_BATCH, Core
 from buildvault.storage.disk.index import Reservation
-from buildvault.storage.disk.layout import AC_TAG, cas_key
-from buildvault.storage.disk.records import held
+from buildvault.storage.disk.layout import AC_TAG, cas_key, held
 
 __all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
 
