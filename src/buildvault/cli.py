@@ -48,6 +48,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, prefix: str = "") -> Non
         default = f.default
         if f.name == "dir":
             shown = "the user cache dir"
+        elif default == ():
+            shown = "none"
         elif isinstance(default, bool) or default in ("", None):
             shown = repr(default) if default != "" else "empty"
         else:
@@ -56,6 +58,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, prefix: str = "") -> Non
         kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": help_text}
         if f.metadata.get("metavar"):
             kwargs["metavar"] = f.metadata["metavar"]
+        if isinstance(default, tuple):  # repeatable: each use adds one value
+            kwargs["action"] = "append"
         if isinstance(default, bool):
             # `--s3-read-only` alone means true; `--s3-read-only false` is explicit.
             kwargs.update(nargs="?", const="true")

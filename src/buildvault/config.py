@@ -88,6 +88,32 @@ def parse_address(text: str) -> str:
     return text
 
 
+def parse_list(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """A repeatable setting: a TOML list, a repeated flag, or one string (the environment) of
+    values separated by spaces or commas."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    if not all(isinstance(item, str) for item in items):
+        raise ValueError(f"want a list of strings, got {value!r}")
+    return tuple(item.strip() for item in items if item.strip())
+
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Seconds from `90`, `90s`, `15m`, `24h`, `7d`."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        match = _DURATION.fullmatch(str(text))
+        if not match:
+            raise ValueError(f"not a duration: {text!r} (examples: 3600, 90s, 15m, 24h)")
+        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"duration must be positive, got {text!r}")
+    return seconds
+
+
 def _setting(default: Any, parse: Callable[[Any], Any], help: str, metavar: str | None = None) -> Any:
     return field(default=default, metadata={"parse": parse, "help": help, "metavar": metavar})
 
@@ -170,6 +196,17 @@ class Settings:
     asset_reader_downloads: str = _setting(
         "checksum", str, "when a caller without write may trigger a download: never, checksum or always", "MODE"
     )
+    # OIDC identity tokens (server/auth/oidc.py, issue 36): JWTs of CI jobs, granted on their claims.
+    oidc_issuer: tuple[str, ...] = _setting(
+        (), parse_list, "trusted OIDC issuer URL, the token's exact iss (repeatable; needs --access-file)", "URL"
+    )
+    oidc_audience: str = _setting("", str, "the aud every OIDC token must hold", "AUD")
+    oidc_jwks_file: str = _setting(
+        "", str, "issuer keys from this JWKS file instead of the issuers' discovery documents", "FILE"
+    )
+    oidc_max_lifetime: float = _setting(
+        86400.0, parse_duration, "OIDC tokens living longer than this (exp - iat) are refused", "DURATION"
+    )
     # -- remote execution (buildvault.execution) --
     local_workers: str = _setting(
         "",
@@ -245,6 +282,12 @@ class Settings:
             )
         if not (self.asset_timeout > 0 and self.asset_connect_timeout > 0 and self.asset_max_downloads > 0):
             raise ConfigError("asset_timeout, asset_connect_timeout, asset_max_downloads: must be positive")
+        if self.oidc_issuer and not self.oidc_audience:
+            raise ConfigError("oidc_issuer: needs oidc_audience (the aud your CI jobs request)")
+        if self.oidc_issuer and not self.access_file:
+            raise ConfigError("oidc_issuer: needs access_file (grants on claims decide what each job may do)")
+        if (self.oidc_audience or self.oidc_jwks_file) and not self.oidc_issuer:
+            raise ConfigError("oidc_audience, oidc_jwks_file: need oidc_issuer")
         if self.execution not in ("loopback", "open"):
             raise ConfigError(f"execution: {self.execution!r} is not 'loopback' or 'open'")
         if self.sandbox not in ("auto", "bwrap", "none"):

@@ -117,6 +117,62 @@ def test_access_file_grants_and_prefixes(tmp_path):
             load_access_file(path)
 
 
+def _token_caller(issuer: str, **claims):  # type: ignore[no-untyped-def]
+    from buildvault.server.auth.grants import Caller
+    from buildvault.server.auth.oidc import Identity
+
+    identity = Identity(f"oidc:host:{claims.get('sub', 's')}", issuer, claims, expires=2e9)
+    return Caller(identity.principal, identity)
+
+
+def test_claim_grants_match_exactly_or_by_star_glob(tmp_path):
+    path = tmp_path / "a.toml"
+    path.write_text(
+        '[[grant]]\nissuer = "https://ci"\npermissions = ["read", "write"]\ninstances = ["csrc"]\n'
+        'claims = { repository = "org/r", ref = "refs/heads/*", ref_protected = "true" }\n'
+        '[[grant]]\nissuer = "https://ci"\npermissions = ["read"]\nclaims = { groups = "dev?[x]*" }\n'
+        '[[grant]]\nissuer = "https://ci"\npermissions = ["execute"]\nclaims = { admin = true, level = 3 }\n'
+        '[[grant]]\nprincipal = "*"\npermissions = ["read"]\n'
+    )
+    grants = load_access_file(path)
+    policy = Policy(enabled=True, grants=grants)
+    main = _token_caller("https://ci", repository="org/r", ref="refs/heads/main", ref_protected="true")
+    assert policy.allows(main, Permission.WRITE, "csrc") and not policy.allows(main, Permission.WRITE, "other")
+    assert policy.allows(main, Permission.WRITE, "csrc")  # the memo of matched grants gives the same answer
+    assert not policy.allows(main, Permission.READ, "other")  # "*" never names an OIDC token
+    assert not policy.allows(
+        _token_caller("https://ci", repository="org/r", ref="refs/heads/main"), Permission.READ, "csrc"
+    )
+    assert not policy.allows(
+        _token_caller("https://other", repository="org/r", ref="refs/heads/main", ref_protected="true"),
+        Permission.READ,
+        "csrc",
+    )
+    assert not policy.allows(
+        _token_caller("https://ci", repository="org/rx", ref="refs/heads/m", ref_protected="true"),
+        Permission.READ,
+        "csrc",
+    )
+    # Only `*` is special: `?` and `[x]` are literal; a list claim matches through any element.
+    assert policy.allows(_token_caller("https://ci", groups=["ops", "dev?[x]-team"]), Permission.READ, "any")
+    assert not policy.allows(_token_caller("https://ci", groups=["devA[x]"]), Permission.READ, "any")
+    # Booleans and numbers match equal values of the same type only.
+    assert policy.allows(_token_caller("https://ci", admin=True, level=3), Permission.EXECUTE, "x")
+    assert not policy.allows(_token_caller("https://ci", admin="true", level=3), Permission.EXECUTE, "x")
+    assert not policy.allows(_token_caller("https://ci", admin=True, level=3.5), Permission.EXECUTE, "x")
+    assert policy.allows("someone", Permission.READ, "x")
+    for text in (
+        '[[grant]]\nissuer = "https://ci"\nprincipal = "x"\npermissions = ["read"]\n',
+        '[[grant]]\npermissions = ["read"]\n',
+        '[[grant]]\nprincipal = "x"\nclaims = { a = "b" }\npermissions = ["read"]\n',
+        '[[grant]]\nissuer = "https://ci"\nclaims = { a = 1.5 }\npermissions = ["read"]\n',
+        '[[grant]]\nissuer = "https://ci"\nclaims = "a"\npermissions = ["read"]\n',
+    ):
+        path.write_text(text)
+        with pytest.raises(CredentialsFileError, match="grant 1"):
+            load_access_file(path)
+
+
 def test_no_access_file_means_authenticated_read_write_and_open_when_disabled():
     policy = Policy(enabled=True)
     assert policy.allows("anyone", Permission.WRITE, "x") and not policy.allows(None, Permission.READ, "x")

@@ -21,7 +21,7 @@ import grpc
 from buildvault import logs
 from buildvault.digest import InvalidDigest, parse_read_resource, parse_write_resource
 from buildvault.remote_apis import re_pb2
-from buildvault.server.auth.grants import Permission
+from buildvault.server.auth.grants import Caller, Permission
 from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
 
@@ -58,7 +58,7 @@ _CAPABILITIES = _RE + "Capabilities/GetCapabilities"
 Context = grpc.aio.ServicerContext[Any, Any]
 # The authenticated principal of the current call (one task per gRPC call), for a service whose
 # behaviour depends on a permission beyond the one its method needs (Fetch: may a reader download?).
-_caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("buildvault_grpc_caller", default=None)
+_caller: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("buildvault_grpc_caller", default=None)
 
 
 def caller_may(auth: Auth | None, permission: Permission, instance: str) -> bool:
@@ -135,37 +135,37 @@ class _Check:
         self.method = method
         self.permission, self.where = rule
 
-    async def run(self, request: Any, context: Context) -> str | None:
-        """The caller's principal; a refusal aborts the call (counted, logged)."""
+    async def run(self, request: Any, context: Context) -> Caller | None:
+        """The caller; a refusal aborts the call (counted, logged)."""
         policy = self.auth.policy
         if not policy.enabled:
             logs.set_principal(ANONYMOUS)
             return None
         started = time.perf_counter()
-        principal: str | None = None
+        caller: Caller | None = None
         try:
             cn = _cert_cn(context) if policy.certificates_identify else None
-            principal = await policy.authenticate(_authorization(context), cn)
+            caller = await policy.authenticate(_authorization(context), cn)
             # GetCapabilities answers every caller whose credential (if any) is good: a client
             # without write permission learns update_enabled=false instead of failing to start.
             if self.method != _CAPABILITIES:
-                policy.authorize(principal, self.permission, _instance(request, self.where))
+                policy.authorize(caller, self.permission, _instance(request, self.where))
         except Refusal as refusal:
             self.auth.refused("grpc", refusal)
             code = grpc.StatusCode.UNAUTHENTICATED if refusal.unauthenticated else grpc.StatusCode.PERMISSION_DENIED
             token = logs.begin_request()
             if token is not None:
                 # An authenticated caller that lacks the permission is named, not "anonymous".
-                logs.note(principal=principal or ANONYMOUS, refused=refusal.reason)
+                logs.note(principal=caller.principal if caller else ANONYMOUS, refused=refusal.reason)
                 logs.end_request(token, self.method.rpartition("/")[2], code.name, started, context.peer())
             await context.abort(code, str(refusal))
-        logs.set_principal(principal or ANONYMOUS)
-        _caller.set(principal)
-        return principal
+        logs.set_principal(caller.principal if caller else ANONYMOUS)
+        _caller.set(caller)
+        return caller
 
-    def update_enabled(self, principal: str | None, request: Any, response: Any) -> Any:
+    def update_enabled(self, caller: Caller | None, request: Any, response: Any) -> Any:
         """GetCapabilities: `update_enabled` as this caller's ActionCache write permission."""
-        allowed = self.auth.policy.allows(principal, Permission.WRITE, _instance(request, "field"))
+        allowed = self.auth.policy.allows(caller, Permission.WRITE, _instance(request, "field"))
         answer = re_pb2.ServerCapabilities()
         answer.CopyFrom(response)
         answer.cache_capabilities.action_cache_update_capabilities.update_enabled = allowed
@@ -175,10 +175,10 @@ class _Check:
         capabilities = self.method == _CAPABILITIES
 
         async def checked(request: Any, context: Context) -> Any:
-            principal = await self.run(request, context)
+            caller = await self.run(request, context)
             response = await behaviour(request, context)
             if capabilities and self.auth.policy.enabled and response is not None:
-                return self.update_enabled(principal, request, response)
+                return self.update_enabled(caller, request, response)
             return response
 
         return checked

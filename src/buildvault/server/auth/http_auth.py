@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from buildvault import logs
-from buildvault.server.auth.grants import Permission
+from buildvault.server.auth.grants import Caller, Permission
 from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
 from buildvault.server.auth.tls import common_name
@@ -67,20 +67,20 @@ def auth_middleware(auth: Auth, route: Route) -> Any:
             return await handler(request)
         permission = Permission.READ if request.method in ("GET", "HEAD") else Permission.WRITE
         instance = route(request)
-        principal: str | None = None
+        caller: Caller | None = None
         try:
             cn = _cert_cn(request)
             if cn is None and auth.requires_client_certificate:
                 raise Refusal(True, "no_client_certificate", "unauthenticated: a client certificate is required")
-            principal = await policy.authenticate(_authorization(request), cn)
-            policy.authorize(principal, permission, instance)
+            caller = await policy.authenticate(_authorization(request), cn)
+            policy.authorize(caller, permission, instance)
         except Refusal as refusal:
             auth.refused("http", refusal)
-            logs.note(principal=principal or ANONYMOUS, refused=refusal.reason)
+            logs.note(principal=caller.principal if caller else ANONYMOUS, refused=refusal.reason)
             if refusal.unauthenticated:
                 return web.Response(status=401, text=str(refusal) + "\n", headers=CHALLENGE)
             return web.Response(status=403, text=str(refusal) + "\n")
-        logs.note(principal=principal or ANONYMOUS)
+        logs.note(principal=caller.principal if caller else ANONYMOUS)
         return await handler(request)
 
     return middleware

@@ -2,7 +2,7 @@
 
     auth = Auth.from_settings(settings, metrics)   # AuthStartupError names the bad setting
     auth.policy                                     # the current Policy snapshot
-    await auth.reload()                             # SIGHUP: reread files; a bad file keeps the old state
+    await auth.reload()                             # SIGHUP: reread files, refetch OIDC keys (a bad file: old state)
     auth.refused("grpc", refusal)                   # count a refusal by reason
 
 With no credential file, no access file and no client certificates, `auth.policy.enabled` is
@@ -15,12 +15,14 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from buildvault.config import Settings
 from buildvault.server.auth.credentials import Credentials, CredentialsFileError, load_htpasswd, load_tokens
 from buildvault.server.auth.grants import Grants, load_access_file
+from buildvault.server.auth.oidc import IssuerKeys, OidcVerifier, check_issuer_url, load_jwks_file
 from buildvault.server.auth.policy import Policy, Refusal
 from buildvault.server.auth.tls import Tls, TlsError
 
@@ -35,20 +37,41 @@ class AuthStartupError(RuntimeError):
     """A certificate, key or auth file cannot be used at start-up; the message names the setting."""
 
 
-def load_policy(settings: Settings) -> Policy:
+def load_policy(settings: Settings, oidc: OidcVerifier | None = None) -> Policy:
     """Read the htpasswd, token and access files named in `settings` (blocking)."""
     htpasswd = load_htpasswd(Path(settings.htpasswd_file)) if settings.htpasswd_file else {}
     tokens = load_tokens(Path(settings.token_file)) if settings.token_file else []
     grants: Grants | None = load_access_file(Path(settings.access_file)) if settings.access_file else None
+    for grant in grants.grants if grants is not None else ():
+        if grant.issuer is not None and grant.issuer not in settings.oidc_issuer:
+            raise CredentialsFileError(
+                f"access file {settings.access_file}: issuer {grant.issuer!r} is not an --oidc-issuer"
+            )
     certificates = settings.tls_client_auth != "none"
-    enabled = bool(settings.htpasswd_file or settings.token_file or settings.access_file or certificates)
+    enabled = bool(
+        settings.htpasswd_file or settings.token_file or settings.access_file or certificates or settings.oidc_issuer
+    )
     return Policy(
         enabled=enabled,
         credentials=Credentials(htpasswd, tokens),
         grants=grants,
         allow_unauthenticated_reads=settings.allow_unauthenticated_reads,
         certificates_identify=certificates,
+        oidc=oidc,
     )
+
+
+def oidc_verifier(settings: Settings, known: Mapping[str, IssuerKeys]) -> OidcVerifier | None:
+    """The verifier of `--oidc-issuer` tokens (blocking: reads `--oidc-jwks-file`); the key sets
+    of issuers in `known` are kept (fetched keys outlive a reload)."""
+    if not settings.oidc_issuer:
+        return None
+    if settings.oidc_jwks_file:
+        fixed = load_jwks_file(Path(settings.oidc_jwks_file), settings.oidc_issuer)
+        keys = {issuer: IssuerKeys(issuer, fixed.get(issuer, {})) for issuer in settings.oidc_issuer}
+    else:
+        keys = {issuer: known.get(issuer) or IssuerKeys(issuer) for issuer in settings.oidc_issuer}
+    return OidcVerifier(keys, settings.oidc_audience, settings.oidc_max_lifetime)
 
 
 class Auth:
@@ -64,8 +87,12 @@ class Auth:
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Any = None) -> Auth:
+        for issuer in settings.oidc_issuer:
+            refused = check_issuer_url(issuer)
+            if refused is not None:
+                raise AuthStartupError(f"oidc_issuer: {refused}")
         try:
-            policy = load_policy(settings)
+            policy = load_policy(settings, oidc_verifier(settings, {}))
         except CredentialsFileError as e:
             raise AuthStartupError(_setting_named(settings, str(e))) from None
         tls = None
@@ -105,8 +132,10 @@ class Auth:
 
     async def reload(self) -> bool:
         """Reread every file; on any error keep the old settings, log why and return False."""
+        known = self.policy.oidc.issuers if self.policy.oidc is not None else {}
         try:
-            policy = await asyncio.to_thread(load_policy, self.settings)
+            oidc = await asyncio.to_thread(oidc_verifier, self.settings, known)
+            policy = await asyncio.to_thread(load_policy, self.settings, oidc)
             files = await asyncio.to_thread(self.tls.read) if self.tls is not None else None
         except (CredentialsFileError, TlsError) as e:
             self.failed_reloads += 1
@@ -115,6 +144,8 @@ class Auth:
         if self.tls is not None and files is not None:
             self.tls.apply(files)
         self.policy = dataclasses.replace(policy, internal_token=self.policy.internal_token)
+        if oidc is not None:  # SIGHUP also fetches every issuer's keys again
+            await asyncio.gather(*(keys.refresh(force=True) for keys in oidc.issuers.values() if not keys.fixed))
         self.reloads += 1
         log.info("reloaded access control%s", " and TLS certificates" if self.tls is not None else "")
         return True
@@ -134,7 +165,7 @@ class Auth:
 
 
 def _setting_named(settings: Settings, message: str) -> str:
-    for name in ("htpasswd_file", "token_file", "access_file"):
+    for name in ("htpasswd_file", "token_file", "access_file", "oidc_jwks_file"):
         path = getattr(settings, name)
         if path and path in message:
             return f"{name}: {message}"
