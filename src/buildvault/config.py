@@ -97,23 +97,6 @@ def parse_list(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(item.strip() for item in items if item.strip())
 
 
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
-
-
-def parse_duration(text: str | int | float) -> float:
-    """Seconds from `90`, `90s`, `15m`, `24h`, `7d`."""
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        seconds = float(text)
-    else:
-        match = _DURATION.fullmatch(str(text))
-        if not match:
-            raise ValueError(f"not a duration: {text!r} (examples: 3600, 90s, 15m, 24h)")
-        seconds = float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
-    if seconds <= 0:
-        raise ValueError(f"duration must be positive, got {text!r}")
-    return seconds
-
-
 def _setting(default: Any, parse: Callable[[Any], Any], help: str, metavar: str | None = None) -> Any:
     return field(default=default, metadata={"parse": parse, "help": help, "metavar": metavar})
 
@@ -282,6 +265,8 @@ class Settings:
             )
         if not (self.asset_timeout > 0 and self.asset_connect_timeout > 0 and self.asset_max_downloads > 0):
             raise ConfigError("asset_timeout, asset_connect_timeout, asset_max_downloads: must be positive")
+        if not self.oidc_max_lifetime > 0:
+            raise ConfigError("oidc_max_lifetime: must be a positive duration")
         if self.oidc_issuer and not self.oidc_audience:
             raise ConfigError("oidc_issuer: needs oidc_audience (the aud your CI jobs request)")
         if self.oidc_issuer and not self.access_file:
