@@ -438,3 +438,55 @@ async def test_metrics_count_fetches_by_result_and_downloaded_bytes(tmp_path, or
         assert 'buildvault_asset_fetches_total{result="hit"} 1.0' in text
         assert 'buildvault_asset_fetches_total{result="miss"} 1.0' in text
         assert f"buildvault_asset_downloaded_bytes_total {float(len(data))}" in text
+
+
+async def test_readers_download_only_with_a_checksum_and_never_push(tmp_path, origin):
+    from auth_setup import bearer, new_token, write_access
+
+    tokens = tmp_path / "tokens"
+    writer, reader = new_token(tokens, "ci"), new_token(tokens, "pr")
+    access = write_access(tmp_path / "access.toml", [("ci", ["read", "write"], [""]), ("pr", ["read"], [""])])
+    data = random.randbytes(20_000)
+    origin.files["/pinned.tgz"] = data
+    origin.files["/unpinned.tgz"] = b"anything"
+    as_reader = (("authorization", bearer(reader)),)
+    as_writer = (("authorization", bearer(writer)),)
+    async with serve(
+        tmp_path, asset_allow_hosts="127.0.0.1", token_file=str(tokens), access_file=str(access)
+    ) as server:
+        pinned = ra_pb2.FetchBlobRequest(
+            uris=[origin.url("/pinned.tgz")], qualifiers=[Q(name="checksum.sri", value=sri(data))]
+        )
+        answer = await server.fetch.FetchBlob(pinned, metadata=as_reader)
+        assert answer.blob_digest == digest(data) and origin.count("/pinned.tgz") == 1
+        unpinned = ra_pb2.FetchBlobRequest(uris=[origin.url("/unpinned.tgz")])
+        error = await failure(server.fetch.FetchBlob(unpinned, metadata=as_reader), grpc.StatusCode.NOT_FOUND)
+        assert "write permission" in error.details() and origin.count("/unpinned.tgz") == 0
+        await failure(server.fetch.FetchBlob(pinned), grpc.StatusCode.UNAUTHENTICATED)
+        push = ra_pb2.PushBlobRequest(uris=["urn:x:mine"], blob_digest=digest(data))
+        await failure(server.push.PushBlob(push, metadata=as_reader), grpc.StatusCode.PERMISSION_DENIED)
+        await server.push.PushBlob(push, metadata=as_writer)
+        written = await server.fetch.FetchBlob(unpinned, metadata=as_writer)
+        assert written.blob_digest == digest(b"anything") and origin.count("/unpinned.tgz") == 1
+        # the writer's copy is now in the index: a reader gets it without a download
+        again = await server.fetch.FetchBlob(unpinned, metadata=as_reader)
+        assert again.blob_digest == digest(b"anything") and origin.count("/unpinned.tgz") == 1
+
+
+async def test_reader_downloads_never_and_always(tmp_path, origin):
+    from auth_setup import bearer, new_token, write_access
+
+    tokens = tmp_path / "tokens"
+    reader = new_token(tokens, "pr")
+    access = write_access(tmp_path / "access.toml", [("pr", ["read"], [""])])
+    origin.files["/f"] = b"f"
+    meta = (("authorization", bearer(reader)),)
+    common = {"asset_allow_hosts": "127.0.0.1", "token_file": str(tokens), "access_file": str(access)}
+    pinned = ra_pb2.FetchBlobRequest(uris=[origin.url("/f")], qualifiers=[Q(name="checksum.sri", value=sri(b"f"))])
+    async with serve(tmp_path, asset_reader_downloads="never", **common) as server:
+        await failure(server.fetch.FetchBlob(pinned, metadata=meta), grpc.StatusCode.NOT_FOUND)
+        assert origin.count("/f") == 0
+    async with serve(tmp_path, asset_reader_downloads="always", **common) as server:
+        unpinned = ra_pb2.FetchBlobRequest(uris=[origin.url("/f")])
+        assert (await server.fetch.FetchBlob(unpinned, metadata=meta)).blob_digest == digest(b"f")
+        assert origin.count("/f") == 1
