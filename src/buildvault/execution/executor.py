@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any
 
 from google.longrunning import operations_pb2  # type: ignore[import-untyped]
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
@@ -282,7 +283,9 @@ class Executor:
             await self.shared.state.add_operation(job.id)
         return operation
 
-    async def follow(self, operation: Operation, from_start: bool = False) -> AsyncIterator[operations_pb2.Operation]:
+    async def follow(
+        self, operation: Operation, from_start: bool = False
+    ) -> AsyncGenerator[operations_pb2.Operation, None]:
         """`operation.watch()` while counting the caller as a watcher (see `execution_grace`).
 
         Raises ShuttingDown, without a done Operation, when the server closes: a client then
@@ -294,14 +297,14 @@ class Executor:
         if operation.abandoned and self.shared is not None and operation.job is not None:
             operation.abandoned = False
             await self.shared.state.add_operation(operation.job.id)
-        messages = aiter(operation.watch(from_start))
+        messages = operation.watch(from_start)
         closing = asyncio.ensure_future(self._closing.wait())
+        following: asyncio.Future[operations_pb2.Operation] = closing  # replaced before it is read
         try:
             while True:
                 following = asyncio.ensure_future(anext(messages))
                 await asyncio.wait({following, closing}, return_when=asyncio.FIRST_COMPLETED)
                 if not following.done():
-                    following.cancel()
                     raise ShuttingDown("the server is shutting down; ask again")
                 try:
                     message = following.result()
@@ -309,9 +312,11 @@ class Executor:
                     return
                 yield message
         finally:
-            closing.cancel()
             operation.watchers -= 1
             self._maybe_orphaned(operation.job)
+            # Whatever ended the stream (the caller went away, the server closes), its tasks end
+            # with it, their outcomes read. Shielded: gRPC may cancel a going call more than once.
+            await asyncio.shield(_stop_following(messages, following, closing))
 
     def _cancel_orphan_check(self, job: Job | None) -> None:
         if job is not None:
@@ -395,3 +400,14 @@ class Executor:
         if self.shared is not None:
             await self.shared.close()
         await self.scheduler.close()
+
+
+async def _stop_following(
+    messages: AsyncGenerator[operations_pb2.Operation, None], *tasks: asyncio.Future[Any]
+) -> None:
+    """Cancel `tasks` and wait for them, retrieving what they raised (a task whose exception is
+    never read is reported on stderr when collected), then close `messages`."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await messages.aclose()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from google.longrunning import operations_pb2  # type: ignore[import-untyped]
@@ -153,7 +153,7 @@ class Operation:
 
     async def watch(
         self, from_start: bool = False, keepalive: float = KEEPALIVE
-    ) -> AsyncIterator[operations_pb2.Operation]:
+    ) -> AsyncGenerator[operations_pb2.Operation, None]:
         """Every stage in order, then the done Operation; the current state is repeated every
         `keepalive` seconds meanwhile. `from_start` (an Execute call): from CACHE_CHECK on;
         otherwise (WaitExecution) from the current state."""

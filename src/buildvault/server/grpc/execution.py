@@ -6,6 +6,7 @@ error before queueing is a gRPC status, every error while running is in the resp
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import grpc
@@ -75,8 +76,10 @@ class ExecutionService:
         self, operation: Operation, context: grpc.aio.ServicerContext[Any, Any], from_start: bool = False
     ) -> None:
         try:
-            async for message in self.executor.follow(operation, from_start):
-                await context.write(message)
+            # Closed here, not when collected: the stream's tasks end with the call.
+            async with contextlib.aclosing(self.executor.follow(operation, from_start)) as messages:
+                async for message in messages:
+                    await context.write(message)
         except ShuttingDown as e:
             raise errors.ServiceUnavailable(str(e)) from None
 

@@ -6,6 +6,7 @@ DeleteOperation is UNIMPLEMENTED (operations expire by themselves a few minutes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import grpc
@@ -75,8 +76,9 @@ class OperationsService:
 
         async def last() -> operations_pb2.Operation:
             last_seen = operation.message()
-            async for message in self.executor.follow(operation):
-                last_seen = message
+            async with contextlib.aclosing(self.executor.follow(operation)) as messages:
+                async for message in messages:
+                    last_seen = message
             return last_seen
 
         try:
