@@ -1,6 +1,7 @@
-"""The store stack the server builds: with a bucket configured, BatchUpdateBlobs, BatchReadBlobs
-and FindMissingBlobs make one store call per request into each tier, as without one (counted by
-the per-tier metrics at the store boundary)."""
+"""The store stack the server builds (storage/build.py): its composition for the usual settings
+(disk only, disk + bucket, read-only bucket, a secondary process); and with a bucket configured,
+BatchUpdateBlobs, BatchReadBlobs and FindMissingBlobs make one store call per request into each
+tier, as without one (counted by the per-tier metrics at the store boundary)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from reapi_client import CLIENT_OPTIONS, Stubs, batch_update, digest, make_stubs, missing
-from s3_server import aws_env, bucket, put_objects, s3_endpoint  # noqa: F401 - fixtures
+from s3_server import aws_env, bucket, put_objects, s3_endpoint, session  # noqa: F401 - fixtures
 
 from buildvault.config import Settings
+from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 from buildvault.server.app import App
+from buildvault.server.metrics import Metrics
+from buildvault.server.pins import PinRegistry
+from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage.build import Secondary, open_store_stack
+from buildvault.storage.decorator import ForwardingActionStore, ForwardingBlobStore
+from buildvault.storage.metrics import MeteredActionStore, MeteredBlobStore
+from buildvault.storage.objectstore.tiered import TieredActionStore, TieredBlobStore
+from buildvault.storage.processes.store_server import StoreServer
 
 Calls = dict[tuple[str, str], float]
 
@@ -100,3 +110,112 @@ async def test_batch_requests_make_one_store_call_per_tier(server, s3_endpoint):
     if tiered:  # the bucket's blobs, in one call, and their backfill into the local tier in one call
         calls |= {("local", "read_blobs"): 1, ("object_store", "read_blobs"): 1, ("local", "write_blobs"): 1}
     assert delta(before, store_calls(app)) == calls
+
+
+# -- the stack's composition, for the usual settings ---------------------------------------------
+
+
+def layers(store: BlobStore | ActionStore) -> list[str]:
+    """The stack's stores, outermost first: a meter carries its tier's name; a tiered store ends
+    the list with its fast and slow sides."""
+    names: list[str] = []
+    while True:
+        name = type(store).__name__
+        if isinstance(store, (MeteredBlobStore, MeteredActionStore)):
+            name += f"({store.tier})"
+        if isinstance(store, (TieredBlobStore, TieredActionStore)):
+            fast, slow = " > ".join(layers(store.fast)), " > ".join(layers(store.slow))
+            return [*names, f"{name}[fast: {fast}; slow: {slow}]"]
+        names.append(name)
+        if not isinstance(store, (ForwardingBlobStore, ForwardingActionStore)):
+            return names
+        store = store.inner
+
+
+TIERED_BLOBS = [
+    "MeteredBlobStore(client)",
+    "EmptyBlobStore",
+    "ChunkedBlobStore",
+    "TieredBlobStore[fast: MeteredBlobStore(local) > DiskBlobStore; "
+    "slow: MeteredBlobStore(object_store) > FailOpenBlobStore > ExistenceCache > ObjectStore]",
+]
+TIERED_ACTIONS = [
+    "PinningActionStore",
+    "MeteredActionStore(client)",
+    "TieredActionStore[fast: MeteredActionStore(local) > DiskActionStore; "
+    "slow: MeteredActionStore(object_store) > FailOpenActionStore > ObjectStore]",
+]
+
+
+async def test_disk_only_stack(tmp_path: Path) -> None:
+    stack = await open_store_stack(Settings(dir=tmp_path), Metrics(), pins=PinRegistry)
+    try:
+        assert layers(stack.blobs) == [
+            "MeteredBlobStore(client)",
+            "EmptyBlobStore",
+            "ChunkedBlobStore",
+            "DiskBlobStore",
+        ]
+        assert layers(stack.actions) == ["PinningActionStore", "MeteredActionStore(client)", "DiskActionStore"]
+        assert stack.object_tier is None and stack.remote is None
+        assert isinstance(stack.pins, PinRegistry)
+        assert stack.max_blob_size == Settings().max_size and stack.local_stats is not None
+    finally:
+        await stack.aclose()
+
+
+async def test_disk_and_bucket_stack(tmp_path: Path, s3_endpoint: str, bucket: str) -> None:  # noqa: F811
+    settings = Settings(dir=tmp_path, s3_endpoint=s3_endpoint, s3_bucket=bucket, s3_region="us-east-1")
+    stack = await open_store_stack(settings, Metrics(), pins=PinRegistry, session=session())
+    try:
+        assert layers(stack.blobs) == TIERED_BLOBS
+        assert layers(stack.actions) == TIERED_ACTIONS
+        tier = stack.object_tier
+        assert tier is not None and stack.remote is None
+        assert tier.journal is not None and tier.last_use is not None  # it writes the bucket
+        assert not tier.cas.read_only and not tier.ac.read_only
+        assert f"bucket {bucket} at {s3_endpoint}" in stack.label
+    finally:
+        await stack.aclose()
+
+
+async def test_read_only_bucket_stack(tmp_path: Path, s3_endpoint: str, bucket: str) -> None:  # noqa: F811
+    settings = Settings(
+        dir=tmp_path, s3_endpoint=s3_endpoint, s3_bucket=bucket, s3_region="us-east-1", s3_read_only=True
+    )
+    stack = await open_store_stack(settings, Metrics(), pins=PinRegistry, session=session())
+    try:
+        assert layers(stack.blobs) == TIERED_BLOBS
+        assert layers(stack.actions) == TIERED_ACTIONS
+        tier = stack.object_tier
+        assert tier is not None
+        assert tier.journal is None and tier.last_use is None  # it never writes the bucket
+        assert tier.cas.read_only and tier.ac.read_only
+    finally:
+        await stack.aclose()
+
+
+async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def test_secondary_stack_is_the_primarys_store(tmp_path: Path) -> None:
+    primary = await open_store_stack(Settings(dir=tmp_path / "primary"), Metrics(), pins=PinRegistry)
+    server = StoreServer(primary.blobs, primary.actions, None, str(tmp_path / "store.sock"))
+    await server.start()
+    role = Secondary(server.path, 1, max_blob_size=12345)
+    stack = await open_store_stack(Settings(dir=tmp_path / "unused"), None, secondary=role)
+    try:
+        assert layers(stack.blobs) == ["RemoteBlobStore"]  # the primary's stack meters and rules
+        assert layers(stack.actions) == ["RemoteActionStore"]
+        assert stack.object_tier is None and stack.pins is None and stack.remote is not None
+        assert stack.max_blob_size == 12345
+        assert not (tmp_path / "unused").exists()  # a secondary opens no store of its own
+        blob = os.urandom(3000)
+        await stack.blobs.write(Digest.of(blob), one_chunk(blob))
+        assert await primary.blobs.find_missing([Digest.of(blob)]) == []
+        assert await stack.blobs.find_missing([Digest.of(b"")]) == []  # the primary's empty-blob rule
+    finally:
+        await stack.aclose()
+        await server.stop()
+        await primary.aclose()

@@ -25,9 +25,10 @@ from s3_server import bucket_keys, free_port, raw_client, session
 from buildvault.config import Settings
 from buildvault.digest import Digest
 from buildvault.storage import CHUNK_SIZE, NotFound, Unavailable, ac_namespace
+from buildvault.storage.build import build_object_tier
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 from buildvault.storage.objectstore.journal import AC, CAS, JournalBusy, JournalEntry, UploadJournal
-from buildvault.storage.objectstore.tier import ObjectTier, build_object_tier
+from buildvault.storage.objectstore.tier import ObjectTier
 
 # Fixtures from s3_server (bound by name so pytest finds them in this module).
 aws_env = s3_server.aws_env

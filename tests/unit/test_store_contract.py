@@ -20,7 +20,7 @@ from s3_server import aws_env, create_bucket, s3_endpoint, session  # noqa: F401
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
 from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound
-from buildvault.storage.build import open_store_stack
+from buildvault.storage.build import build_object_tier, open_store_stack
 from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams
 from buildvault.storage.disk import DiskBlobStore, DiskStorage
 from buildvault.storage.empty_blob import EmptyBlobStore
@@ -29,7 +29,6 @@ from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 from buildvault.storage.metrics import MeteredBlobStore
 from buildvault.storage.objectstore.journal import UploadJournal
 from buildvault.storage.objectstore.presence import ExistenceCache
-from buildvault.storage.objectstore.tier import build_object_tier
 from buildvault.storage.objectstore.tiered import TieredBlobStore
 from buildvault.storage.processes.client import RemoteStoreClient
 from buildvault.storage.processes.store_server import StoreServer

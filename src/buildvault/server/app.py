@@ -1,4 +1,5 @@
-"""Process assembly: stores from Settings, the listeners in front of them, start and stop.
+"""Process assembly: the store stack (built whole by storage/build.py), the listeners in front
+of it, start and stop.
 
     app = App(settings)
     await app.start()          # open stores, bind listeners (port 0 allowed), log the banner
@@ -32,7 +33,7 @@ from buildvault.server.grpc.listener import GrpcListener
 from buildvault.server.heap_trim import HeapTrimmer
 from buildvault.server.http import HttpListener
 from buildvault.server.metrics import Metrics
-from buildvault.server.pins import PinningActionStore, PinRegistry, PinWatcher
+from buildvault.server.pins import PinRegistry
 from buildvault.server.processes.relay import RelayReceiver
 from buildvault.server.processes.supervisor import Secondaries, process_count
 from buildvault.server.services import Listener, Services, StartupError
@@ -73,7 +74,6 @@ class App:
         self.started_at: float | None = None
         # Owned by this App (not the global registry): two servers in one process count apart.
         self.metrics = Metrics(version=VERSION)
-        self._pins: PinRegistry | None = None
         self.auth: Auth | None = None
         self.execution: ExecutionRuntime | None = None
         # Several processes (server/processes/supervisor.py): the store served to the secondaries, and them.
@@ -118,7 +118,7 @@ class App:
                 version=VERSION,
                 max_cas_blob_size=stack.max_blob_size,
                 storage_stats=stack.local_stats,
-                pins=self._pins.listing if self._pins else None,
+                pins=stack.pins.listing if stack.pins is not None else None,
                 auth=self.auth,
                 history=await self._open_history(),
                 secret_patterns=tuple(p for p in self.settings.history_secret_patterns.split(",") if p.strip()),
@@ -228,24 +228,17 @@ class App:
         blobs, actions = self._given
         try:
             stack = await open_store_stack(
-                self.settings, self.metrics, blobs=blobs, actions=actions, validate_entry=entry_is_intact
+                self.settings,
+                self.metrics,
+                blobs=blobs,
+                actions=actions,
+                validate_entry=entry_is_intact,
+                pins=PinRegistry,  # golden versions: the local tier's eviction skips what they reach
             )
         except StackError as e:
             raise StartupError(str(e)) from None
         self._closers.append(stack.aclose)
         self.metrics.watch_object_tier(stack.object_tier_stats)
-        # Golden versions: the local tier's eviction skips what the pin indexes reach.
-        self._pins = PinRegistry(stack.blobs, stack.protect)
-        stack.actions = PinningActionStore(stack.actions, self._pins)
-        # Start-up reads every instance's pin index from the local tier (never waiting on, or
-        # counting a miss in, the bucket); pins set through other servers come from the bucket later.
-        namespaces = await stack.namespaces() if stack.namespaces is not None else ["ac"]
-        local = stack.local_actions or stack.actions
-        await self._pins.load(local, namespaces)
-        if stack.object_tier is not None:
-            watcher = PinWatcher(self._pins, stack.object_tier.ac.slow, local, self.settings.pins_refresh)
-            watcher.start()
-            self._closers.append(watcher.aclose)
         return stack
 
     def _banner(self) -> None:

@@ -8,14 +8,15 @@ itself and each pinned artifact's entry). It learns a pin index three ways:
 - when one is written through this server, for any instance (`PinningActionStore.put`);
 - with a bucket, every `pins_refresh` seconds from the bucket, for every instance known here
   (on disk, or asked about since start-up): pins set through another server (`PinWatcher`).
-A pin index that cannot be read protects nothing new and never fails a write.
+A pin index that cannot be read protects nothing new and never fails a write. The registry is
+the stack's `PinLayer` (storage/build.py puts it in: `open_store_stack(..., pins=PinRegistry)`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from google.protobuf.message import DecodeError
 
@@ -138,6 +139,16 @@ class PinRegistry:
         if changed:
             await self._apply()
         return changed
+
+    def wrap(self, actions: ActionStore) -> ActionStore:
+        """`actions`, telling this registry of every pin index written through it."""
+        return PinningActionStore(actions, self)
+
+    def watch(self, source: ActionStore, local: ActionStore, interval: float) -> Callable[[], Awaitable[None]]:
+        """Start refreshing from `source` (the bucket) every `interval` seconds; returns what stops it."""
+        watcher = PinWatcher(self, source, local, interval)
+        watcher.start()
+        return watcher.aclose
 
     def listing(self) -> list[dict[str, str]]:
         """Every pin, for the status page: instance namespace, artifact name, label, Tree digest."""

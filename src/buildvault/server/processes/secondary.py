@@ -7,7 +7,8 @@ primary runs with), the bound gRPC address, the store socket, its index and the 
 size. The secondary answers `ready` on stdout once it listens. It serves Capabilities, CAS,
 ByteStream and ActionCache (no Execution, no HTTP: `--processes` above 1 needs execution off)
 with the same access control, TLS files and message limits as the primary's listener, joined to
-the port with SO_REUSEPORT, every store call going to the primary (storage/processes/client.py).
+the port with SO_REUSEPORT, every store call going to the primary (its stack, from storage/build.py: the primary's store
+over storage/processes/client.py).
 
 It ends when the primary does: on SIGTERM (grace for in-flight RPCs; a second one cuts it
 short), on end of stdin (the primary is gone, whatever killed it) and, as a second line of
@@ -38,7 +39,7 @@ from buildvault.server.grpc.listener import GrpcListener
 from buildvault.server.heap_trim import HeapTrimmer, limit_arenas
 from buildvault.server.processes.relay import RelayedMetrics
 from buildvault.server.services import Services, StartupError
-from buildvault.storage.processes.client import RemoteStoreClient
+from buildvault.storage.build import Secondary, open_store_stack
 
 READY = "ready"
 _PR_SET_PDEATHSIG = 1
@@ -62,14 +63,16 @@ def _die_with_parent(parent: int) -> None:
 
 async def serve(settings: Settings, config: dict[str, Any]) -> int:
     loop = asyncio.get_running_loop()
-    client = RemoteStoreClient(config["store"], int(config["index"]))
-    metrics = RelayedMetrics(client, version=str(config.get("version", "")))
+    role = Secondary(config["store"], int(config["index"]), int(config["max_blob_size"]))
+    stack = await open_store_stack(settings, None, secondary=role)  # the primary meters every call
+    assert stack.remote is not None
+    metrics = RelayedMetrics(stack.remote, version=str(config.get("version", "")))
     try:
         auth = Auth.from_settings(settings, metrics)
     except AuthStartupError as e:
         print(f"buildvault secondary {config['index']}: {e}", file=sys.stderr)
         return 1
-    blobs, actions = client.blobs, client.actions
+    blobs, actions = stack.blobs, stack.actions
     services = Services(
         blobs=blobs,
         actions=actions,
@@ -77,7 +80,7 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
         uploads=Uploads(blobs),
         metrics=metrics,
         version=str(config.get("version", "")),
-        max_cas_blob_size=int(config["max_blob_size"]),
+        max_cas_blob_size=stack.max_blob_size,
         auth=auth,
         history=recorder_from_settings(settings, primary=False),
         assets=build_assets(settings, blobs, actions, metrics, primary=False),
@@ -135,7 +138,7 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
     if services.history is not None:
         await services.history.close()
     await metrics.aclose()
-    await client.aclose()
+    await stack.aclose()
     return 0
 
 
