@@ -4,6 +4,7 @@
     buildvault run [options] -- CMD ...      one build step through the cache (client/run/)
     buildvault cmake-module-path             where buildvault.cmake is
     buildvault artifact push|pull|pin|unpin|pins ...   whole-build artifacts, golden versions
+    buildvault asset fetch URL... --sha256 HEX | push FILE --uri URL   external downloads (Remote Asset)
 
 Every Settings field is a flag, generated from the field's metadata (parser, help, metavar),
 so flags, BUILDVAULT_<NAME> variables and TOML keys can never drift apart. Precedence:
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     from buildvault.client.run.artifact_cli import add_artifact_parser
 
     add_artifact_parser(commands)
+    from buildvault.client.asset import add_asset_parser  # Remote Asset outside Bazel (issue 34)
+
+    add_asset_parser(commands)
     from buildvault.server.auth.tokens import add_token_parser  # auth (issue 11)
 
     add_token_parser(commands)
@@ -267,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from buildvault.client.run.artifact import main_artifact
 
         return main_artifact(args)
+    if args.command == "asset":
+        from buildvault.client.asset import main_asset
+
+        return main_asset(args)
     if args.command == "cmake-module-path":
         from buildvault.client.run.command import main_cmake_module_path
 

@@ -20,6 +20,17 @@
 #     COMMAND sh ${script} ${src_dir} ${out_dir})
 #   add_custom_command(OUTPUT ${out1} ${out_dir}/x COMMAND ${cmd} DEPENDS ... VERBATIM)
 #
+#   buildvault_fetch(protobuf_src                # sets protobuf_src_FILE (and _SOURCE_DIR with EXTRACT_TO)
+#     URL https://github.com/.../protobuf-3.21.12.tar.gz [URL mirror...]
+#     SHA256 <64 hex digits>
+#     [DESTINATION ${CMAKE_BINARY_DIR}/_deps/protobuf.tar.gz]
+#     [EXTRACT_TO ${CMAKE_BINARY_DIR}/_deps/protobuf])
+#
+# buildvault_fetch downloads at configure time through the cache's Remote Asset API
+# (`buildvault asset fetch`): from the cache when any server sharing it fetched it before, else
+# the server downloads and verifies it. A miss or a checksum mismatch stops the configure with
+# the reason. A file already in place with the right SHA-256 is not fetched again.
+#
 # Give WORKING_DIRECTORY = WORKDIR to add_custom_command. The cache is found the way
 # buildvault-cc finds it: BUILDVAULT_REMOTE, BUILDVAULT_WRITER, BUILDVAULT_INSTANCE, ... in the
 # build's environment. With BUILDVAULT_CACHED_STEPS OFF the command runs plainly (with ENV set).
@@ -88,4 +99,58 @@ function(buildvault_cached_command out_var)
   endforeach()
   list(APPEND cmd -- ${BV_COMMAND})
   set(${out_var} ${cmd} PARENT_SCOPE)
+endfunction()
+
+function(buildvault_fetch name)
+  cmake_parse_arguments(PARSE_ARGV 1 BVF "" "SHA256;DESTINATION;EXTRACT_TO" "URL")
+  if(BVF_UNPARSED_ARGUMENTS)
+    message(FATAL_ERROR "buildvault_fetch(${name}): unknown arguments: ${BVF_UNPARSED_ARGUMENTS}")
+  endif()
+  if(NOT BVF_URL OR NOT BVF_SHA256)
+    message(FATAL_ERROR "buildvault_fetch(${name}): give URL and SHA256")
+  endif()
+  if(NOT BUILDVAULT_EXECUTABLE)
+    message(FATAL_ERROR "buildvault_fetch(${name}): buildvault not found (set BUILDVAULT_EXECUTABLE)")
+  endif()
+  list(GET BVF_URL 0 first_url)
+  string(REGEX REPLACE "[?#].*$" "" first_path "${first_url}")
+  get_filename_component(file_name "${first_path}" NAME)
+  if(BVF_DESTINATION)
+    set(dest "${BVF_DESTINATION}")
+  else()
+    set(dest "${CMAKE_BINARY_DIR}/_buildvault_fetch/${name}/${file_name}")
+  endif()
+  string(TOLOWER "${BVF_SHA256}" wanted)
+  set(have "")
+  if(EXISTS "${dest}")
+    file(SHA256 "${dest}" have)
+  endif()
+  if(NOT have STREQUAL wanted)
+    execute_process(COMMAND ${BUILDVAULT_EXECUTABLE} asset fetch ${BVF_URL} --sha256 ${wanted} -o ${dest}
+                    RESULT_VARIABLE result OUTPUT_QUIET ERROR_VARIABLE error ERROR_STRIP_TRAILING_WHITESPACE)
+    if(NOT result EQUAL 0)
+      message(FATAL_ERROR "buildvault_fetch(${name}): ${error}")
+    endif()
+  endif()
+  set(${name}_FILE "${dest}" PARENT_SCOPE)
+  if(BVF_EXTRACT_TO)
+    set(stamp "${BVF_EXTRACT_TO}.buildvault-sha256")  # beside it: the directory holds the archive alone
+    set(extracted "")
+    if(EXISTS "${stamp}")
+      file(READ "${stamp}" extracted)
+    endif()
+    if(NOT extracted STREQUAL wanted)
+      file(REMOVE_RECURSE "${BVF_EXTRACT_TO}")
+      file(ARCHIVE_EXTRACT INPUT "${dest}" DESTINATION "${BVF_EXTRACT_TO}")
+      file(WRITE "${stamp}" "${wanted}")
+    endif()
+    # An archive with one top-level directory (name-1.0/...): that directory is the source.
+    file(GLOB entries LIST_DIRECTORIES true "${BVF_EXTRACT_TO}/*")
+    list(LENGTH entries count)
+    if(count EQUAL 1 AND IS_DIRECTORY "${entries}")
+      set(${name}_SOURCE_DIR "${entries}" PARENT_SCOPE)
+    else()
+      set(${name}_SOURCE_DIR "${BVF_EXTRACT_TO}" PARENT_SCOPE)
+    endif()
+  endif()
 endfunction()

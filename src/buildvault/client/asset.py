@@ -1,0 +1,206 @@
+"""`buildvault asset fetch|push`: the Remote Asset API outside Bazel (CMake's third-party
+sources, a mirror of an internal tarball).
+
+    buildvault asset fetch URL... --sha256 HEX [-o FILE]    the cache first, else the server
+                                                          downloads it (its rules), else an error
+    buildvault asset push FILE --uri URL [--uri URL...]     a writer stores FILE under the URLs
+
+The server comes from `--remote` or BUILDVAULT_REMOTE (grpc://host:port), credentials from
+BUILDVAULT_TOKEN / BUILDVAULT_TOKEN_FILE, TLS from BUILDVAULT_TLS_CA (client/remote.py). The
+file is streamed to disk and verified against the sha256 before it is renamed into place; a
+miss or a mismatch exits 1 with the reason on stderr (2: usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import grpc
+
+from buildvault.client.remote import RemoteError, channel_credentials, parse_remote, token_from_env
+from buildvault.digest import Digest
+from buildvault.remote_apis import bs_grpc, bs_pb2, ra_grpc, ra_pb2, re_grpc, re_pb2
+
+__all__ = ["add_asset_parser", "main_asset"]
+
+OK, FAILED, USAGE = 0, 1, 2
+CHUNK = 1 << 20
+
+
+def add_asset_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = commands.add_parser("asset", help="fetch or push external downloads through the cache (Remote Asset)")
+    sub = parser.add_subparsers(dest="asset_command", metavar="ACTION", required=True)
+    for name, text in (("fetch", "fetch URL into FILE: from the cache, else through the server"),
+                       ("push", "store FILE under the URLs (needs write permission)")):  # fmt: skip
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--remote", default=None, help="grpc://host:port (default: BUILDVAULT_REMOTE)")
+        p.add_argument("--instance", default=None, help="REAPI instance name (default: BUILDVAULT_INSTANCE)")
+        p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="for the whole call")
+        if name == "fetch":
+            p.add_argument("urls", nargs="+", metavar="URL", help="the origin URL and any mirrors")
+            p.add_argument("--sha256", required=True, metavar="HEX", help="the content's SHA-256")
+            p.add_argument("-o", "--output", default=None, metavar="FILE", help="default: the URL's file name")
+        else:
+            p.add_argument("file", metavar="FILE")
+            p.add_argument("--uri", action="append", required=True, metavar="URL", help="a URL it is known by")
+
+
+def _say(text: str) -> None:
+    print(f"buildvault asset: {text}", file=sys.stderr)
+
+
+def _sri(raw: bytes) -> str:
+    return "sha256-" + base64.b64encode(raw).decode()
+
+
+class _Client:
+    def __init__(self, remote: str, instance: str, timeout: float) -> None:
+        target = parse_remote(remote)
+        if remote.strip().startswith("grpcs://"):
+            self.channel = grpc.secure_channel(target, channel_credentials())
+        else:
+            self.channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
+        token = token_from_env()
+        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self.instance = instance
+        self.timeout = timeout
+        self.fetch = ra_grpc.FetchStub(self.channel)
+        self.push = ra_grpc.PushStub(self.channel)
+        self.bytestream = bs_grpc.ByteStreamStub(self.channel)
+        self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _prefix(self) -> str:
+        return f"{self.instance}/" if self.instance else ""
+
+    def read_to(self, digest: re_pb2.Digest, out: Path, expected: bytes) -> None:
+        """Stream the blob into a temp file beside `out`, verify, rename into place."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, temp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+        try:
+            hasher = hashlib.sha256()
+            with os.fdopen(fd, "wb") as f:
+                request = bs_pb2.ReadRequest(resource_name=f"{self._prefix()}blobs/{digest.hash}/{digest.size_bytes}")
+                for response in self.bytestream.Read(request, timeout=self.timeout, metadata=self.metadata):
+                    hasher.update(response.data)
+                    f.write(response.data)
+            if hasher.digest() != expected:
+                raise RemoteError(f"the server's blob does not match {_sri(expected)}")
+            os.replace(temp, out)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+
+    def upload(self, path: Path) -> Digest:
+        hasher = hashlib.sha256()
+        size = 0
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK), b""):
+                hasher.update(block)
+                size += len(block)
+        digest = Digest.parse(hasher.hexdigest(), size)
+        proto = digest.to_proto(re_pb2.Digest)
+        found = self.cas.FindMissingBlobs(re_pb2.FindMissingBlobsRequest(instance_name=self.instance,
+                                                                         blob_digests=[proto]),
+                                          timeout=self.timeout, metadata=self.metadata)  # fmt: skip
+        if not found.missing_blob_digests:
+            return digest
+        name = f"{self._prefix()}uploads/{uuid.uuid4()}/blobs/{digest.hash}/{digest.size_bytes}"
+
+        def requests() -> Iterator[bs_pb2.WriteRequest]:
+            offset = 0
+            with open(path, "rb") as f:
+                while True:
+                    block = f.read(CHUNK)
+                    last = offset + len(block) >= size
+                    yield bs_pb2.WriteRequest(resource_name=name if offset == 0 else "", write_offset=offset,
+                                              finish_write=last, data=block)  # fmt: skip
+                    offset += len(block)
+                    if last:
+                        return
+
+        try:
+            self.bytestream.Write(requests(), timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+        return digest
+
+
+def _fetch(client: _Client, args: argparse.Namespace) -> int:
+    try:
+        raw = bytes.fromhex(args.sha256)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        _say(f"--sha256 {args.sha256!r}: want 64 hex digits")
+        return USAGE
+    output = Path(args.output) if args.output else Path(Path(urlsplit(args.urls[0]).path).name or "download")
+    if output.is_file():  # already here with the right content: nothing to do
+        hasher = hashlib.sha256()
+        with open(output, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK), b""):
+                hasher.update(block)
+        if hasher.digest() == raw:
+            return OK
+    request = ra_pb2.FetchBlobRequest(
+        instance_name=client.instance,
+        uris=args.urls,
+        qualifiers=[ra_pb2.Qualifier(name="checksum.sri", value=_sri(raw))],
+    )
+    answer = client.fetch.FetchBlob(request, timeout=args.timeout, metadata=client.metadata)
+    client.read_to(answer.blob_digest, output, raw)
+    print(output)
+    return OK
+
+
+def _push(client: _Client, args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        _say(f"{path}: not a file")
+        return USAGE
+    digest = client.upload(path)
+    request = ra_pb2.PushBlobRequest(
+        instance_name=client.instance,
+        uris=args.uri,
+        qualifiers=[ra_pb2.Qualifier(name="checksum.sri", value=_sri(bytes.fromhex(digest.hash)))],
+        blob_digest=digest.to_proto(re_pb2.Digest),
+    )
+    client.push.PushBlob(request, timeout=args.timeout, metadata=client.metadata)
+    print(f"{digest.hash} {digest.size_bytes}")
+    return OK
+
+
+def main_asset(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    remote = args.remote or env.get("BUILDVAULT_REMOTE", "")
+    if not remote:
+        _say("no server: give --remote grpc://host:port or set BUILDVAULT_REMOTE")
+        return USAGE
+    instance = args.instance if args.instance is not None else env.get("BUILDVAULT_INSTANCE", "")
+    try:
+        client = _Client(remote, instance, args.timeout)
+    except RemoteError as e:
+        _say(str(e))
+        return USAGE
+    try:
+        return _fetch(client, args) if args.asset_command == "fetch" else _push(client, args)
+    except grpc.RpcError as e:
+        _say(f"{e.code().name}: {e.details()}")
+        return FAILED
+    except (RemoteError, OSError) as e:
+        _say(str(e))
+        return FAILED
+    finally:
+        client.close()
