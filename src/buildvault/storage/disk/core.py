@@ -239,11 +239,12 @@ class Core:
                 # promised to writes in progress: refusing this write is cheaper than a broken hit.
                 raise StorageFull(f"no room for {what}: writes in progress and entries in use hold the space")
         reservation = Reservation(index, size)
-        try:
-            await self.settle_all(deletions)  # let the space really be free before writing
-        except BaseException:
-            reservation.release()
-            raise
+        if deletions:
+            try:
+                await self.settle_all(deletions)  # let the space really be free before writing
+            except BaseException:
+                reservation.release()
+                raise
         return reservation
 
     async def claim(self, key: bytes, replace: bool) -> bool:
