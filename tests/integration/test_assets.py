@@ -438,6 +438,23 @@ async def test_metrics_count_fetches_by_result_and_downloaded_bytes(tmp_path, or
         assert 'buildvault_asset_fetches_total{result="hit"} 1.0' in text
         assert 'buildvault_asset_fetches_total{result="miss"} 1.0' in text
         assert f"buildvault_asset_downloaded_bytes_total {float(len(data))}" in text
+        assert "buildvault_asset_stored_total 1.0" in text
+
+
+async def test_the_status_page_shows_the_asset_count_and_hit_ratio(tmp_path, origin):
+    import aiohttp
+
+    origin.files["/p"] = b"page"
+    async with serve(tmp_path, asset_allow_hosts="127.0.0.1", http_address="127.0.0.1:0") as server:
+        for _ in range(4):
+            await server.fetch_blob([origin.url("/p")], ("checksum.sri", sri(b"page")))
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://{server.app.http_address}/status") as response:
+                doc = await response.json()
+            async with session.get(f"http://{server.app.http_address}/status.html") as r:
+                page = await r.text()
+        assert doc["assets"] == {"stored": 1, "fetches": {"downloaded": 1, "hit": 3}, "hit_ratio": 0.75}
+        assert "Asset hit ratio" in page and "75.0%" in page
 
 
 async def test_readers_download_only_with_a_checksum_and_never_push(tmp_path, origin):

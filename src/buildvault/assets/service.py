@@ -49,6 +49,8 @@ class FetchRecorder(Protocol):
 
     def asset_downloaded(self, nbytes: int) -> None: ...
 
+    def asset_indexed(self) -> None: ...
+
 
 class CountingRecorder:
     """A FetchRecorder that only counts in memory (tests, tools)."""
@@ -56,12 +58,16 @@ class CountingRecorder:
     def __init__(self) -> None:
         self.results: dict[str, int] = {}
         self.downloaded_bytes = 0
+        self.indexed = 0
 
     def asset_fetch(self, result: str) -> None:
         self.results[result] = self.results.get(result, 0) + 1
 
     def asset_downloaded(self, nbytes: int) -> None:
         self.downloaded_bytes += nbytes
+
+    def asset_indexed(self) -> None:
+        self.indexed += 1
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,7 @@ class Assets:
             entry = Entry(digest, started, uri, tuple(request.qualifiers()))
             keys = [sri_key(c) for c in request.checksums] + [uri_key(uri, request.named)]
             await self.index.record(request.instance_name, keys, entry)
+            self.recorder.asset_indexed()
             self.recorder.asset_fetch("downloaded")
             log.info("asset downloaded from %s: %s", _host(uri), digest)
             return Found(entry, uri)
@@ -264,6 +271,7 @@ class Assets:
     async def _record(self, request: AssetRequest, entry: Entry) -> None:
         keys = [uri_key(uri, request.named) for uri in request.uris] + [sri_key(c) for c in request.checksums]
         await self.index.record(request.instance_name, keys, entry)
+        self.recorder.asset_indexed()
         log.info("asset pushed for %s: %s", ", ".join(sorted({_host(u) for u in request.uris})), entry.digest)
 
     async def _walk(self, root: Digest) -> tuple[list[re_pb2.Directory], list[Digest]]:

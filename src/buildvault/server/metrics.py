@@ -394,7 +394,11 @@ class Metrics:
         self.asset_downloaded_bytes = Counter(
             f"{PREFIX}_asset_downloaded_bytes", "Bytes downloaded from asset origins.", registry=r
         )
+        self.asset_stored = Counter(
+            f"{PREFIX}_asset_stored", "Assets indexed by this server (downloaded or pushed).", registry=r
+        )
         self.asset_results: dict[str, int] = {}  # the same counts, for /status
+        self.assets_stored = 0
         start = Gauge(f"{PREFIX}_start_time_seconds", "Start time of the server, seconds since the epoch.", registry=r)
         start.set(self.started)
         info = Gauge(f"{PREFIX}_build_info", "Always 1; the version is a label.", ["version"], registry=r)
@@ -431,6 +435,17 @@ class Metrics:
 
     def asset_downloaded(self, nbytes: int) -> None:
         self.asset_downloaded_bytes.inc(nbytes)
+
+    def asset_indexed(self) -> None:
+        self.asset_stored.inc()
+        self.assets_stored += 1
+
+    def asset_summary(self) -> dict[str, Any]:
+        """The status page's view: stored, fetches by result, hit ratio (None before any fetch)."""
+        results = dict(self.asset_results)
+        total = sum(results.values())
+        ratio = round(results.get("hit", 0) / total, 4) if total else None
+        return {"stored": self.assets_stored, "fetches": results, "hit_ratio": ratio}
 
     def ac_lookup(self, protocol: str, hit: bool) -> None:
         if hit:

@@ -79,6 +79,7 @@ class StatusPages:
             "ServerTime": int(time.time()),
             "GitCommit": self.version,
             "pins": self.pins() if self.pins is not None else [],
+            "assets": self.metrics.asset_summary(),  # Remote Asset (buildvault.assets)
         }
 
     async def status_json(self, request: web.Request) -> web.Response:
@@ -167,6 +168,14 @@ def render_html(doc: dict[str, Any], charts_html: str = "") -> str:
         ("AC hit ratio", ratio),
         ("Pinned versions", ", ".join(f"{p['name']}/{p['label']}" for p in doc.get("pins", [])) or "–"),
     ]
+    assets = doc.get("assets")
+    if assets is not None:
+        asset_ratio = assets["hit_ratio"]
+        rows += [
+            ("Assets stored", _count(assets["stored"])),
+            ("Asset fetches", _count(sum(assets["fetches"].values()))),
+            ("Asset hit ratio", f"{100.0 * asset_ratio:.1f}%" if asset_ratio is not None else "–"),
+        ]
     rows += _execution_rows(doc.get("execution"))
     body = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f"""<!DOCTYPE html>
