@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from buildvault.server.auth.tokens import add_token_parser  # auth (issue 11)
 
     add_token_parser(commands)
+    from buildvault.server.auth.audit import add_audit_parser  # the write audit trail (issue 36)
+
+    add_audit_parser(commands)
     # remote execution (issue 12): a worker on any machine, fed by the Redis queue
     worker = commands.add_parser(
         "worker",
@@ -283,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from buildvault.server.auth.tokens import add_token_command
 
         return add_token_command(args)
+    if args.command == "audit":
+        from buildvault.server.auth.audit import audit_command
+
+        return audit_command(args)
     if args.command == "worker":  # remote execution (issue 12)
         from buildvault.execution.worker.redis_worker import run_worker
 

@@ -190,6 +190,9 @@ class Settings:
     oidc_max_lifetime: float = _setting(
         86400.0, parse_duration, "OIDC tokens living longer than this (exp - iat) are refused", "DURATION"
     )
+    audit_log: str = _setting(
+        "", str, "append who wrote each action-cache entry, pin, artifact and asset (JSON lines)", "FILE"
+    )
     # -- remote execution (buildvault.execution) --
     local_workers: str = _setting(
         "",

@@ -196,6 +196,8 @@ class App:
             await self.services.uploads.close()
             if self.services.assets is not None:
                 await self.services.assets.close()
+        if self.auth is not None:  # the audit log's last lines, after the last request
+            await self.auth.close()
         closers, self._closers = self._closers, []
         for close in reversed(closers):
             try:

@@ -21,6 +21,7 @@ import grpc
 from buildvault import logs
 from buildvault.digest import InvalidDigest, parse_read_resource, parse_write_resource
 from buildvault.remote_apis import re_pb2
+from buildvault.server.auth.audit import grpc_write
 from buildvault.server.auth.grants import Caller, Permission
 from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
@@ -55,6 +56,8 @@ _RULES: dict[str, tuple[Permission, str | None]] = {
     _BS + "QueryWriteStatus": (Permission.WRITE, "write"),
 }
 _CAPABILITIES = _RE + "Capabilities/GetCapabilities"
+# Writes of entries (not of content-addressed blobs) go to the audit log once they succeed.
+_AUDITED = frozenset({_RE + "ActionCache/UpdateActionResult", _RA + "Push/PushBlob", _RA + "Push/PushDirectory"})
 Context = grpc.aio.ServicerContext[Any, Any]
 # The authenticated principal of the current call (one task per gRPC call), for a service whose
 # behaviour depends on a permission beyond the one its method needs (Fetch: may a reader download?).
@@ -178,9 +181,13 @@ class _Check:
     def unary(self, behaviour: Callable[..., Any]) -> Callable[..., Any]:
         capabilities = self.method == _CAPABILITIES
 
+        audit = self.auth.audit if self.method in _AUDITED else None
+
         async def checked(request: Any, context: Context) -> Any:
             caller = await self.run(request, context)
             response = await behaviour(request, context)
+            if audit is not None:
+                grpc_write(audit, self.method, caller, request, context.peer())
             if capabilities and self.auth.policy.enabled and response is not None:
                 return self.update_enabled(caller, request, response)
             return response

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from buildvault import logs
+from buildvault.server.auth.audit import http_write
 from buildvault.server.auth.grants import Caller, Permission
 from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
@@ -27,7 +28,7 @@ HEALTHZ = "/healthz"
 CHALLENGE = {"WWW-Authenticate": 'Basic realm="buildvault"'}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Route = Callable[[web.Request], str | None]
+Route = Callable[[web.Request], tuple[str | None, str, str]]
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -53,34 +54,40 @@ def _authorization(request: web.Request) -> str | None:
 
 
 def auth_middleware(auth: Auth, route: Route) -> Any:
-    """`route(request)`: the instance name of a cache path, None for a page or a path that does
-    not parse. It also labels the request's route for the request metrics, so a refusal is
-    counted under the route it was refused on."""
+    """`route(request)`: (instance, kind, hash) of a cache path (kind "ac" or "cas"), (None, "", "")
+    for a page or a path that does not parse. It also labels the request's route for the request
+    metrics, so a refusal is counted under the route it was refused on. With `--audit-log`, a
+    successful PUT of an action entry is recorded (audit.py)."""
     open_metrics = not auth.settings.metrics_require_auth
+    audit = auth.audit
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         policy = auth.policy
         path = request.path
-        if not policy.enabled or path == HEALTHZ or (open_metrics and path == "/metrics"):
+        if path == HEALTHZ or (open_metrics and path == "/metrics"):
             logs.note(principal=ANONYMOUS)
             return await handler(request)
-        permission = Permission.READ if request.method in ("GET", "HEAD") else Permission.WRITE
-        instance = route(request)
+        instance, kind, hash_ = route(request)
         caller: Caller | None = None
-        try:
-            cn = _cert_cn(request)
-            if cn is None and auth.requires_client_certificate:
-                raise Refusal(True, "no_client_certificate", "unauthenticated: a client certificate is required")
-            caller = await policy.authenticate(_authorization(request), cn)
-            policy.authorize(caller, permission, instance)
-        except Refusal as refusal:
-            auth.refused("http", refusal)
-            logs.note(principal=caller.principal if caller else ANONYMOUS, refused=refusal.reason)
-            if refusal.unauthenticated:
-                return web.Response(status=401, text=str(refusal) + "\n", headers=CHALLENGE)
-            return web.Response(status=403, text=str(refusal) + "\n")
+        if policy.enabled:
+            permission = Permission.READ if request.method in ("GET", "HEAD") else Permission.WRITE
+            try:
+                cn = _cert_cn(request)
+                if cn is None and auth.requires_client_certificate:
+                    raise Refusal(True, "no_client_certificate", "unauthenticated: a client certificate is required")
+                caller = await policy.authenticate(_authorization(request), cn)
+                policy.authorize(caller, permission, instance)
+            except Refusal as refusal:
+                auth.refused("http", refusal)
+                logs.note(principal=caller.principal if caller else ANONYMOUS, refused=refusal.reason)
+                if refusal.unauthenticated:
+                    return web.Response(status=401, text=str(refusal) + "\n", headers=CHALLENGE)
+                return web.Response(status=403, text=str(refusal) + "\n")
         logs.note(principal=caller.principal if caller else ANONYMOUS)
-        return await handler(request)
+        response = await handler(request)
+        if audit is not None and kind == "ac" and request.method == "PUT" and response.status == 200:
+            http_write(audit, caller, instance or "", hash_, request.remote)
+        return response
 
     return middleware

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from buildvault.config import Settings
+from buildvault.server.auth.audit import AuditLog
 from buildvault.server.auth.credentials import Credentials, CredentialsFileError, load_htpasswd, load_tokens
 from buildvault.server.auth.grants import Grants, load_access_file
 from buildvault.server.auth.oidc import IssuerKeys, OidcVerifier, check_issuer_url, load_jwks_file
@@ -77,9 +78,12 @@ def oidc_verifier(settings: Settings, known: Mapping[str, IssuerKeys]) -> OidcVe
 class Auth:
     """What the listeners share: the current Policy, the TLS state, the refusal counter."""
 
-    def __init__(self, settings: Settings, policy: Policy, tls: Tls | None, metrics: Any = None) -> None:
+    def __init__(
+        self, settings: Settings, policy: Policy, tls: Tls | None, metrics: Any = None, audit: AuditLog | None = None
+    ) -> None:
         self.settings = settings
         self.policy = policy
+        self.audit = audit  # --audit-log: the writes of entries, recorded by the checks
         self.tls = tls
         self.metrics = metrics
         self.reloads = 0  # successful reloads (tests wait on it)
@@ -107,13 +111,28 @@ class Auth:
                 )
             except TlsError as e:
                 raise AuthStartupError(str(e)) from None
-        auth = cls(settings, policy, tls, metrics)
+        audit = None
+        if settings.audit_log:
+            audit = AuditLog(Path(settings.audit_log))
+            try:
+                audit.open()
+            except OSError as e:
+                raise AuthStartupError(f"audit_log {settings.audit_log}: {e.strerror or e}") from None
+        auth = cls(settings, policy, tls, metrics, audit)
         auth._warn_if_open()
         return auth
 
     @property
     def enabled(self) -> bool:
-        return self.policy.enabled
+        """Whether the listeners wrap their handlers: access control or the audit log is on."""
+        return self.policy.enabled or self.audit is not None
+
+    async def close(self) -> None:
+        """At shutdown: the audit log's last lines, the OIDC key fetches."""
+        if self.audit is not None:
+            await self.audit.close()
+        if self.policy.oidc is not None:
+            await self.policy.oidc.close()
 
     @property
     def requires_client_certificate(self) -> bool:
@@ -144,6 +163,8 @@ class Auth:
         if self.tls is not None and files is not None:
             self.tls.apply(files)
         self.policy = dataclasses.replace(policy, internal_token=self.policy.internal_token)
+        if self.audit is not None:
+            self.audit.reopen()
         if oidc is not None:  # SIGHUP also fetches every issuer's keys again
             await asyncio.gather(*(keys.refresh(force=True) for keys in oidc.issuers.values() if not keys.fixed))
         self.reloads += 1

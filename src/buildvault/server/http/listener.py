@@ -72,20 +72,21 @@ _PAGE_KINDS = {"/status": "status", "/status.html": "status", "/": "status", "/m
                "/status/history": "status"}
 
 
-def _route(request: web.Request) -> str | None:
+def _route(request: web.Request) -> tuple[str | None, str, str]:
     """For the auth middleware: labels the request's kind before any check (so a refused request
-    is counted under its route, not `other`) and answers the instance of a cache path (None for
-    a page or a path that does not parse, which then needs the permission on some instance)."""
+    is counted under its route, not `other`) and answers (instance, kind, hash) of a cache path,
+    (None, "", "") for a page or a path that does not parse (which then needs the permission on
+    some instance)."""
     kind = _PAGE_KINDS.get(request.path)
     if kind is not None:
         request[REQUEST_KIND] = kind
-        return None
+        return None, "", ""
     try:
         path = parse_cache_path(request.rel_url.raw_path)
     except InvalidDigest:
-        return None
+        return None, "", ""
     request[REQUEST_KIND] = path.kind
-    return path.instance
+    return path.instance, path.kind, path.hash
 
 
 def create_app(

@@ -135,6 +135,7 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
     hurried.cancel()
     await heap_trimmer.stop()
     await services.uploads.close()
+    await auth.close()
     if services.history is not None:
         await services.history.close()
     await metrics.aclose()
