@@ -15,29 +15,34 @@ An ActionResult is only worth serving if a client can fetch everything it names.
   anything else, e.g. a ccache entry, is kept byte-for-byte under `ac_namespace(instance, "raw")`,
   which gRPC never serves. `lookup_entry` looks in the real namespace first, then the raw one,
   and never serves an ActionResult whose blobs are missing from either.
+- A client's lookup (`get(counted=True)`: GetActionResult; `lookup_entry(counted=True)`: HTTP
+  GET /ac/) is counted here, once for both protocols, as a hit or a miss (a missing, unreadable
+  or incomplete entry) under the protocol the front end named in storage.metrics'
+  REQUEST_PROTOCOL; Execute's own cache check and HTTP HEAD are not lookups a client counts.
 
-Empty blobs are always present, as the REAPI requires, whether or not anyone uploaded them.
+Empty blobs are always present, as the REAPI requires: the store stack's rule
+(storage/empty_blob.py), which every BlobStore handed to ActionCache sits under.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, verify_instance_name
 from buildvault.remote_apis import re_pb2
-from buildvault.storage import ActionStore, BlobStore, NotFound, ac_namespace
+from buildvault.storage import ActionStore, BlobStore, NotFound, ac_namespace, single_chunk
+from buildvault.storage.metrics import REQUEST_PROTOCOL
 
 __all__ = [
     "ActionCache",
     "EntryKind",
     "InvalidActionResult",
     "MissingBlobs",
-    "find_missing",
-    "is_empty",
     "read_blob",
 ]
 
@@ -47,8 +52,6 @@ MAX_TREE_BYTES = 64 << 20
 MAX_WALK_DIRECTORIES = 200_000
 # Default total of bytes inlined into one GetActionResult response.
 DEFAULT_INLINE_BUDGET = 2 << 20
-
-_EMPTY_HASH = {function: Digest.of(b"", function).hash for function in DigestFunction}
 
 
 class MissingBlobs(Exception):
@@ -73,34 +76,13 @@ class EntryKind(enum.Enum):
     OPAQUE = "opaque"  # anything else (e.g. a ccache entry): kept and served byte-for-byte
 
 
-def is_empty(digest: Digest) -> bool:
-    """The empty blob: always present, never needs storing."""
-    return digest.size_bytes == 0 and digest.hash == _EMPTY_HASH[digest.function]
-
-
-async def find_missing(store: BlobStore, digests: Sequence[Digest]) -> list[Digest]:
-    """`store.find_missing`, except that empty blobs are always present."""
-    if all(d.size_bytes for d in digests):  # the common case: nothing to filter
-        return await store.find_missing(digests) if digests else []
-    wanted = [d for d in digests if not is_empty(d)]
-    if not wanted:
-        return []
-    return await store.find_missing(wanted)
-
-
 async def read_blob(store: BlobStore, digest: Digest, max_size: int | None = None) -> bytes:
     """A whole (small) blob; NotFound if absent. `max_size` guards memory."""
-    if is_empty(digest):
-        return b""
     if max_size is not None and digest.size_bytes > max_size:
         raise InvalidActionResult(f"blob {digest} is larger than the {max_size} bytes this server reads at once")
     chunks = await store.read(digest)
     parts = [chunk async for chunk in chunks]
     return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-async def _single(data: bytes) -> AsyncIterator[bytes]:
-    yield data
 
 
 def _optional_digest(message: re_pb2.Digest, has: bool, function: DigestFunction, what: str) -> Digest | None:
@@ -178,6 +160,12 @@ def _directory_files(directory: re_pb2.Directory, function: DigestFunction, into
         into.setdefault(Digest.from_proto(node.digest, function))
 
 
+class LookupRecorder(Protocol):
+    """Where client lookups are counted (server/metrics.py's Metrics is one)."""
+
+    def ac_lookup(self, protocol: str, hit: bool) -> None: ...
+
+
 class ActionCache:
     """The ActionCache service's behaviour over a BlobStore (the CAS) and an ActionStore."""
 
@@ -188,12 +176,19 @@ class ActionCache:
         *,
         inline_budget: int = DEFAULT_INLINE_BUDGET,
         message_limit: int | None = None,
+        recorder: LookupRecorder | None = None,
     ) -> None:
         self.blobs = blobs
         self.actions = actions
+        self.recorder = recorder
         self.inline_budget = inline_budget
         # Responses must stay under the transport's message limit, inlined bytes included.
         self.message_limit = message_limit
+
+    def _count(self, hit: bool) -> None:
+        protocol = REQUEST_PROTOCOL.get()
+        if self.recorder is not None and protocol is not None:
+            self.recorder.ac_lookup(protocol, hit)
 
     # -- completeness -----------------------------------------------------------------
 
@@ -205,7 +200,7 @@ class ActionCache:
         """
         refs = _collect(result, function)
         first = list(refs.direct) + [d for d in refs.trees if d not in refs.direct]
-        missing = await find_missing(self.blobs, first)
+        missing = await self.blobs.find_missing(first) if first else []
         missing_set = set(missing)
         nested: dict[Digest, None] = {}
         present_trees = [d for d in refs.trees if d not in missing_set]
@@ -223,7 +218,7 @@ class ActionCache:
             missing_set.update(walk_missing)
         if nested:
             check = [d for d in nested if d not in missing_set and d not in refs.direct]
-            for digest in await find_missing(self.blobs, check):
+            for digest in await self.blobs.find_missing(check) if check else []:
                 missing.append(digest)
                 missing_set.add(digest)
         return missing
@@ -245,7 +240,7 @@ class ActionCache:
         while level:
             if len(seen) > MAX_WALK_DIRECTORIES:
                 raise InvalidActionResult(f"output directory {root} has more than {MAX_WALK_DIRECTORIES} directories")
-            absent = set(await find_missing(self.blobs, level))
+            absent = set(await self.blobs.find_missing(level))
             missing.extend(d for d in level if d in absent)
             present = [d for d in level if d not in absent]
             blobs = await asyncio.gather(*(read_blob(self.blobs, d, MAX_TREE_BYTES) for d in present))
@@ -277,11 +272,18 @@ class ActionCache:
             return EntryKind.OPAQUE
         return EntryKind.INCOMPLETE if missing else EntryKind.COMPLETE
 
-    async def lookup_entry(self, instance_name: str, action_digest: Digest) -> bytes | None:
+    async def lookup_entry(self, instance_name: str, action_digest: Digest, *, counted: bool = False) -> bytes | None:
         """The stored bytes for `action_digest`: a complete real entry, else the raw entry, else None.
 
         A raw entry that is an ActionResult (PUT before its blobs) is served only once every
-        blob it references is present, like a real one."""
+        blob it references is present, like a real one. `counted`: a client's lookup (a hit or
+        a miss in the metrics)."""
+        data = await self._lookup_entry(instance_name, action_digest)
+        if counted:
+            self._count(data is not None)
+        return data
+
+    async def _lookup_entry(self, instance_name: str, action_digest: Digest) -> bytes | None:
         function = action_digest.function
         try:
             data: bytes | None = await self.actions.get(ac_namespace(instance_name), action_digest)
@@ -312,9 +314,29 @@ class ActionCache:
         inline_stdout: bool = False,
         inline_stderr: bool = False,
         inline_output_files: Iterable[str] = (),
+        counted: bool = False,
     ) -> re_pb2.ActionResult:
-        """The stored result, if complete; NotFound otherwise."""
+        """The stored result, if complete; NotFound otherwise. `counted`: a client's lookup (a hit
+        or a miss in the metrics)."""
         verify_instance_name(instance_name)
+        if not counted:
+            return await self._get(instance_name, action_digest, inline_stdout, inline_stderr, inline_output_files)
+        try:
+            result = await self._get(instance_name, action_digest, inline_stdout, inline_stderr, inline_output_files)
+        except NotFound:
+            self._count(False)
+            raise
+        self._count(True)
+        return result
+
+    async def _get(
+        self,
+        instance_name: str,
+        action_digest: Digest,
+        inline_stdout: bool,
+        inline_stderr: bool,
+        inline_output_files: Iterable[str],
+    ) -> re_pb2.ActionResult:
         data = await self.actions.get(ac_namespace(instance_name), action_digest)
         try:
             result = re_pb2.ActionResult.FromString(data)
@@ -416,8 +438,7 @@ class ActionCache:
                 output.digest.CopyFrom(digest.to_proto(re_pb2.Digest))
                 output.ClearField("contents")
         for digest, data in uploads.items():
-            if not is_empty(digest):
-                await self.blobs.write(digest, _single(data))
+            await self.blobs.write(digest, single_chunk(data))
 
 
 def entry_is_intact(kind: str, data: bytes) -> bool:

@@ -9,13 +9,12 @@ from buildvault.actions import (
     EntryKind,
     InvalidActionResult,
     MissingBlobs,
-    find_missing,
-    is_empty,
     read_blob,
 )
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import NotFound, ac_namespace
+from buildvault.storage.empty_blob import EmptyBlobStore, is_empty_blob
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 
 B3 = DigestFunction.BLAKE3
@@ -35,9 +34,15 @@ def stores():
     return MemoryBlobStore(), MemoryActionStore()
 
 
+def over_stack(blobs: MemoryBlobStore) -> EmptyBlobStore:
+    """The CAS as the server's stack hands it to the ActionCache: with the empty-blob rule."""
+    return EmptyBlobStore(blobs)
+
+
 @pytest.fixture
 def cache(stores):
-    return ActionCache(*stores)
+    blobs, actions = stores
+    return ActionCache(over_stack(blobs), actions)
 
 
 async def put(blobs: MemoryBlobStore, *items: bytes, function=DigestFunction.SHA256) -> None:
@@ -181,7 +186,7 @@ async def test_root_directory_digest_walk(cache, stores):
 
 async def test_inlining_and_budget(stores):
     blobs, _ = stores
-    cache = ActionCache(*stores, inline_budget=160)  # each inlined field costs its size + 16
+    cache = ActionCache(over_stack(stores[0]), stores[1], inline_budget=160)  # each inlined field costs its size + 16
     big, small = b"b" * 100, b"s" * 10
     await put(blobs, big, small, b"out!", b"err!")
     result = re_pb2.ActionResult(
@@ -199,7 +204,7 @@ async def test_inlining_and_budget(stores):
 
 async def test_message_limit_caps_inlining(stores):
     blobs, _ = stores
-    cache = ActionCache(*stores, inline_budget=1 << 30, message_limit=100_000)
+    cache = ActionCache(over_stack(stores[0]), stores[1], inline_budget=1 << 30, message_limit=100_000)
     data = b"x" * 90_000
     await put(blobs, data)
     await cache.update("", ACTION, re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="f", digest=pd(data))]))
@@ -290,11 +295,12 @@ async def test_corrupt_entry_is_a_miss(cache, stores):
 
 
 async def test_empty_blobs_are_always_present(cache, stores):
-    blobs, _ = stores
+    """The empty-blob rule is the stack's (storage/empty_blob.py); the ActionCache relies on it."""
+    blobs = over_stack(stores[0])
     empty = Digest.of(b"")
-    assert is_empty(empty) and is_empty(Digest.of(b"", B3))
-    assert not is_empty(Digest("0" * 64, 0))
-    assert await find_missing(blobs, [empty]) == []
+    assert is_empty_blob(empty) and is_empty_blob(Digest.of(b"", B3))
+    assert not is_empty_blob(Digest("0" * 64, 0))
+    assert await blobs.find_missing([empty]) == []
     assert await read_blob(blobs, empty) == b""
     result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="e", digest=pd(b""))], stdout_digest=pd(b""))
     await cache.update("", ACTION, result)

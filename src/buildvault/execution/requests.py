@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from google.protobuf.message import DecodeError
 
-from buildvault.actions import MissingBlobs, find_missing, is_empty, read_blob
+from buildvault.actions import MissingBlobs, read_blob
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import BlobStore, NotFound
@@ -61,10 +61,9 @@ async def missing_inputs(blobs: BlobStore, root: Digest) -> list[Digest]:
     seen: set[Digest] = {root}
     level = [root]
     while level:
-        wanted = [d for d in level if not is_empty(d)]
-        found = await blobs.read_blobs(wanted) if wanted else []
-        contents: dict[Digest, bytes] = {d: b"" for d in level if is_empty(d)}
-        for digest, data in zip(wanted, found, strict=True):
+        found = await blobs.read_blobs(level)  # the empty Directory too: storage/empty_blob.py
+        contents: dict[Digest, bytes] = {}
+        for digest, data in zip(level, found, strict=True):
             if isinstance(data, NotFound):
                 missing.append(digest)
             elif isinstance(data, Exception):
@@ -87,7 +86,8 @@ async def missing_inputs(blobs: BlobStore, root: Digest) -> list[Digest]:
         if len(seen) > MAX_DIRECTORIES:
             raise InvalidRequest(f"the input tree has more than {MAX_DIRECTORIES} directories")
         level = following
-    missing.extend(await find_missing(blobs, list(files)))
+    if files:
+        missing.extend(await blobs.find_missing(list(files)))
     return missing
 
 

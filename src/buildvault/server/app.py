@@ -112,7 +112,7 @@ class App:
             self.services = Services(
                 blobs=blobs,
                 actions=actions,
-                action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE),
+                action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE, recorder=self.metrics),
                 uploads=Uploads(blobs, grace=self.upload_grace),
                 metrics=self.metrics,
                 version=VERSION,

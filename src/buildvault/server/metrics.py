@@ -21,7 +21,9 @@ by tier and operation, blob bytes read and written, action-entry lookups by resu
 tier names of storage/build.py (`client`, `local`, `object_store`; without a bucket only
 `client`, which is then the disk store). The client tier's bytes are
 also the per-protocol `cas_read_bytes` / `cas_written_bytes` of the front end that set
-`REQUEST_PROTOCOL` (the gRPC request wrapper does).
+`REQUEST_PROTOCOL` (the gRPC request wrapper and the HTTP middleware do); AC hits and misses
+are counted by the ActionCache (actions.py) under the same protocol. No front end counts
+bytes or hits itself.
 """
 
 from __future__ import annotations
@@ -346,11 +348,11 @@ class Metrics:
             f"{PREFIX}_ac_misses", "Action cache lookups that found no (complete) entry.", ["protocol"], registry=r
         )
         self.cas_read_bytes = Counter(
-            f"{PREFIX}_cas_read_bytes", "CAS blob bytes sent to clients (as transferred).", ["protocol"], registry=r
+            f"{PREFIX}_cas_read_bytes", "CAS blob bytes read for clients (before any zstd).", ["protocol"], registry=r
         )
         self.cas_written_bytes = Counter(
             f"{PREFIX}_cas_written_bytes",
-            "CAS blob bytes received from clients and stored (as transferred).",
+            "CAS blob bytes received from clients and stored (after any zstd is decoded).",
             ["protocol"],
             registry=r,
         )
@@ -471,7 +473,7 @@ class Metrics:
 
     # -- the store boundary (storage.metrics.StoreRecorder) -------------------------------------
     # The client-facing tier's bytes also count per protocol, for the front end that named itself
-    # in storage.metrics.REQUEST_PROTOCOL (gRPC does; HTTP still counts its own bytes).
+    # in storage.metrics.REQUEST_PROTOCOL (the gRPC wrapper and the HTTP middleware do).
 
     def store_call(self, tier: str, operation: str) -> None:
         self._child(self.store_calls, tier, operation).inc()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
@@ -201,9 +201,11 @@ async def single_chunk(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-async def close_chunks(chunks: AsyncIterable[bytes]) -> None:
-    """Close a chunk stream now if it is an async generator (releasing what it holds, e.g. a
-    bucket connection); errors while closing are not the caller's concern."""
-    if isinstance(chunks, AsyncGenerator):
+async def close_chunks(chunks: object) -> None:
+    """Close a chunk stream now if it can be closed (an async generator, a disk read's FileChunks,
+    a request body), releasing what it holds (a file, a bucket connection); errors while closing
+    are not the caller's concern. Every front end and decorator closes streams through this."""
+    close = getattr(chunks, "aclose", None)
+    if close is not None:
         with contextlib.suppress(Exception):
-            await chunks.aclose()
+            await close()

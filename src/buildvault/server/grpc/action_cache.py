@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from buildvault import logs
 from buildvault.actions import ActionCache
-from buildvault.digest import Digest, DigestFunction, verify_instance_name
+from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import re_pb2
 from buildvault.server.grpc import Context, rpc
 
 
 def _action(request: re_pb2.GetActionResultRequest | re_pb2.UpdateActionResultRequest) -> tuple[str, Digest]:
-    """The request's instance name and action digest, both checked (and noted in the request log)."""
-    instance_name = verify_instance_name(request.instance_name)
+    """The request's instance name and action digest (noted in the request log); the digest is
+    checked here, the instance name by the ActionCache, once."""
+    instance_name = request.instance_name
     digest = Digest.from_proto(request.action_digest, DigestFunction.from_wire(request.digest_function))
     logs.note(instance=instance_name, action=str(digest))
     return instance_name, digest
@@ -34,6 +35,7 @@ class ActionCacheService:
             inline_stdout=request.inline_stdout,
             inline_stderr=request.inline_stderr,
             inline_output_files=request.inline_output_files,
+            counted=True,
         )
 
     @rpc("UpdateActionResult")

@@ -24,13 +24,12 @@ import traceback
 from collections.abc import AsyncIterator
 
 from buildvault import logs
-from buildvault.actions import find_missing
 from buildvault.compression import zstd_compress_stream, zstd_decompress_stream
 from buildvault.digest import ResourceName, parse_read_resource, parse_write_resource
 from buildvault.remote_apis import bs_pb2
 from buildvault.server import errors
 from buildvault.server.grpc import READ_CHUNK_SIZE, Context, rpc
-from buildvault.storage import BlobStore, InvalidRange, StorageError
+from buildvault.storage import BlobStore, InvalidRange, StorageError, close_chunks
 
 log = logging.getLogger("buildvault.bytestream")
 
@@ -297,7 +296,7 @@ class ByteStreamService:
         self.uploads = uploads if uploads is not None else Uploads(blobs)
 
     async def _exists(self, resource: ResourceName) -> bool:
-        return not await find_missing(self.blobs, [resource.digest])
+        return not await self.blobs.find_missing([resource.digest])  # the empty blob: storage/empty_blob.py
 
     @rpc("Read")
     async def Read(self, request: bs_pb2.ReadRequest, context: Context) -> None:
@@ -332,10 +331,9 @@ class ByteStreamService:
                 sent += len(chunk)
         finally:
             # A client that goes away mid-read must not leave the store's file open.
-            for iterator in (chunks, source) if chunks is not source else (source,):
-                aclose = getattr(iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+            await close_chunks(chunks)
+            if chunks is not source:
+                await close_chunks(source)
         logs.note(bytes=sent)
 
     @rpc("Write")

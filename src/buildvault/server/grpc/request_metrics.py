@@ -1,9 +1,10 @@
 """The gRPC side of the request metrics: a wrapper on every method handler (server/grpc/registration.py)
 that times each RPC and records its status.
 
-Metrics are defined in server/metrics.py; this module only feeds them. Blob bytes are not
-counted here but at the store boundary (storage.metrics), under the protocol this wrapper
-names in REQUEST_PROTOCOL.
+Metrics are defined in server/metrics.py; this module only feeds them. Blob bytes and AC hits
+are not counted here but where both protocols share the path (the store boundary,
+storage.metrics; the ActionCache, actions.py), under the protocol this wrapper names in
+REQUEST_PROTOCOL.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def grpc_labels(full_method: str) -> tuple[str, str]:
 
 
 class _Call:
-    """Book-keeping of one RPC: measures it and records its status once. Blob bytes are counted
-    by the store (storage.metrics) under the protocol this call sets in REQUEST_PROTOCOL."""
+    """Book-keeping of one RPC: measures it and records its status once. Blob bytes and AC hits
+    are counted by the store and the ActionCache under the protocol this call sets in
+    REQUEST_PROTOCOL."""
 
     __slots__ = ("metrics", "method", "kind", "start")
 
@@ -46,13 +48,7 @@ class _Call:
         REQUEST_PROTOCOL.set("grpc")  # this RPC's own task context
 
     def finish(self, code: grpc.StatusCode) -> None:
-        m = self.metrics
-        m.observe_request("grpc", self.method, self.kind, code.name, time.perf_counter() - self.start)
-        if self.kind == "ac" and self.method == "GetActionResult":
-            if code is grpc.StatusCode.OK:
-                m.ac_lookup("grpc", True)
-            elif code is grpc.StatusCode.NOT_FOUND:
-                m.ac_lookup("grpc", False)
+        self.metrics.observe_request("grpc", self.method, self.kind, code.name, time.perf_counter() - self.start)
 
 
 def _code_of(context: Any, default: grpc.StatusCode) -> grpc.StatusCode:
@@ -80,8 +76,8 @@ def _error_code(context: Any, error: BaseException) -> grpc.StatusCode:
 
 
 def metered(metrics: Metrics, full_method: str, handler: Any) -> Any:
-    """`handler` counted and timed with its status (GetActionResult's: AC hits and misses), and the
-    protocol named for the store's byte counts (no message is parsed here)."""
+    """`handler` counted and timed with its status, and the protocol named for what the store and
+    the ActionCache count (bytes, AC hits and misses; no message is parsed here)."""
     method, kind = grpc_labels(full_method)
     for name, wrap in _WRAPPERS:
         behaviour = getattr(handler, name)

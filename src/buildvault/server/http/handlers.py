@@ -33,21 +33,17 @@ from buildvault.digest import Digest, DigestFunction
 from buildvault.server.errors import http_status, is_internal
 from buildvault.server.http.protocol import (
     REQUEST_KIND,
-    ByteCounter,
     HttpError,
     accepts_zstd,
-    aclose,
+    body_chunks,
     chain,
     content_encoding,
     content_length,
-    counted_body,
     declared_size,
     error_response,
-    one_chunk,
 )
 from buildvault.server.http.routes import CachePath, parse_cache_path
-from buildvault.server.metrics import Metrics
-from buildvault.storage import BlobStore, NotFound
+from buildvault.storage import BlobStore, NotFound, close_chunks, single_chunk
 
 __all__ = ["ALLOWED_METHODS", "DEFAULT_MAX_ENTRY_SIZE", "PAGES", "CacheHandlers"]
 
@@ -59,24 +55,24 @@ DEFAULT_MAX_ENTRY_SIZE = 128 << 20
 ALLOWED_METHODS = "GET, HEAD, PUT"
 # Paths served by the status pages (GET and HEAD only).
 PAGES = frozenset({"/", "/status", "/status.html", "/metrics"})
-_EMPTY_SHA256 = Digest.of(b"").hash
 
 
 class CacheHandlers:
-    """The /ac/ and /cas/ handlers of one app, over injected stores, ActionCache semantics and metrics."""
+    """The /ac/ and /cas/ handlers of one app, over injected stores and ActionCache semantics.
+
+    They count nothing themselves: bytes are counted at the store boundary (storage/metrics.py)
+    and AC hits by the ActionCache, under the protocol the request middleware names."""
 
     def __init__(
         self,
         cas: BlobStore,
         action_cache: ActionCache,
-        metrics: Metrics,
         *,
         max_blob_size: int | None = None,
         max_entry_size: int = DEFAULT_MAX_ENTRY_SIZE,
     ) -> None:
         self.cas = cas
         self.action_cache = action_cache
-        self.metrics = metrics
         self.max_blob_size = max_blob_size or None
         self.max_entry_size = max_entry_size
 
@@ -111,22 +107,18 @@ class CacheHandlers:
 
     # -- CAS -------------------------------------------------------------------------------------
     async def _get_cas(self, request: web.Request, path: CachePath) -> web.StreamResponse:
-        # HTTP names a blob by its hash alone: the store finds its size in its own index.
-        if path.hash == _EMPTY_SHA256:
-            digest = Digest(path.hash, 0)
-        else:
-            digest = await self.cas.lookup(DigestFunction.SHA256, path.hash)  # NotFound: 404
+        # HTTP names a blob by its hash alone: the store finds its size in its own index (and
+        # knows the empty blob: storage/empty_blob.py).
+        digest = await self.cas.lookup(DigestFunction.SHA256, path.hash)  # NotFound: 404
         size = digest.size_bytes
         if request.method == "HEAD":
             return web.Response(
                 status=200, headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)}
             )
-        chunks = await self.cas.read(digest) if size else one_chunk(b"")  # NotFound before any byte
-        return await self._stream(request, chunks, size, count_cas=True)
+        chunks = await self.cas.read(digest)  # NotFound before any byte
+        return await self._stream(request, chunks, size)
 
-    async def _stream(
-        self, request: web.Request, chunks: AsyncIterator[bytes], size: int, *, count_cas: bool
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, chunks: AsyncIterator[bytes], size: int) -> web.StreamResponse:
         """Send `chunks` (identity, or zstd if the client accepts it)."""
         response = web.StreamResponse(status=200)
         response.content_type = "application/octet-stream"
@@ -151,16 +143,13 @@ class CacheHandlers:
                 return response
             await response.write_eof()
         finally:
-            await aclose(chunks)
-            if count_cas:
-                self.metrics.cas_read("http", sent)
+            await close_chunks(chunks)
         return response
 
     async def _put_cas(self, request: web.Request, path: CachePath) -> web.StreamResponse:
         length = content_length(request)
         encoding = content_encoding(request)
-        received = ByteCounter()
-        body: AsyncIterator[bytes] = counted_body(request, received)
+        body: AsyncIterator[bytes] = body_chunks(request)
         if encoding == "identity":
             size = length
         else:
@@ -171,8 +160,7 @@ class CacheHandlers:
         try:
             await self.cas.write(digest, body)
         finally:
-            await aclose(body)
-        self.metrics.cas_written("http", received.n)
+            await close_chunks(body)
         return web.Response(status=200)
 
     async def _zstd_upload(self, request: web.Request, body: AsyncIterator[bytes]) -> tuple[AsyncIterator[bytes], int]:
@@ -194,16 +182,14 @@ class CacheHandlers:
 
     # -- AC --------------------------------------------------------------------------------------
     async def _get_ac(self, request: web.Request, path: CachePath) -> web.StreamResponse:
-        data = await self.action_cache.lookup_entry(path.instance, path.digest)
-        if request.method == "GET":
-            self.metrics.ac_lookup("http", data is not None)
+        data = await self.action_cache.lookup_entry(path.instance, path.digest, counted=request.method == "GET")
         if data is None:
             raise NotFound(f"no action entry {path.hash}")
         if request.method == "HEAD":
             return web.Response(
                 status=200, headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data))}
             )
-        return await self._stream(request, one_chunk(data), len(data), count_cas=False)
+        return await self._stream(request, single_chunk(data), len(data))
 
     async def _put_ac(self, request: web.Request, path: CachePath) -> web.StreamResponse:
         length = content_length(request)

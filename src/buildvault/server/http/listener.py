@@ -23,6 +23,7 @@ from buildvault.server.http.status import StatusPages
 from buildvault.server.metrics import Metrics, http_method_label
 from buildvault.server.services import Services, StartupError, StatsSource, format_address
 from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage.metrics import REQUEST_PROTOCOL
 
 __all__ = ["HANDLERS_KEY", "STATUS_KEY", "HttpListener", "create_app"]
 
@@ -39,12 +40,14 @@ def _installed_version() -> str:
 
 
 def _request_middleware(metrics: Metrics) -> Middleware:
-    """Counts and times every request; with --log-level debug, one JSON line per request."""
+    """Counts and times every request; with --log-level debug, one JSON line per request. Names
+    the protocol for what the store and the ActionCache count (bytes, AC hits and misses)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
         start = time.perf_counter()
         token = logs.begin_request()
+        protocol = REQUEST_PROTOCOL.set("http")
         status: int | str = 500
         try:
             response = await handler(request)
@@ -60,6 +63,7 @@ def _request_middleware(metrics: Metrics) -> Middleware:
             kind = request.get(REQUEST_KIND, "other")
             elapsed = time.perf_counter() - start
             metrics.observe_request("http", http_method_label(request.method), kind, status, elapsed)
+            REQUEST_PROTOCOL.reset(protocol)
             if token is not None:
                 logs.note(path=request.rel_url.raw_path[:200])
                 logs.end_request(token, f"HTTP {request.method[:16]} {kind}", str(status), start, request.remote)
@@ -109,8 +113,7 @@ def create_app(
     metrics = metrics or Metrics(version=version or _installed_version())
     handlers = CacheHandlers(
         cas,
-        action_cache or ActionCache(cas, action_store),
-        metrics,
+        action_cache or ActionCache(cas, action_store, recorder=metrics),
         max_blob_size=max_blob_size,
         max_entry_size=max_entry_size,
     )

@@ -6,7 +6,6 @@ X-Digest-SizeBytes), not about what the cache does with the bytes (handlers.py).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
@@ -16,17 +15,14 @@ from buildvault.storage import CHUNK_SIZE
 
 __all__ = [
     "REQUEST_KIND",
-    "ByteCounter",
     "HttpError",
     "accepts_zstd",
-    "aclose",
+    "body_chunks",
     "chain",
     "content_encoding",
     "content_length",
-    "counted_body",
     "declared_size",
     "error_response",
-    "one_chunk",
 ]
 
 # The `kind` metrics label of a request ("ac", "cas", "status", ...), set by whoever recognised it.
@@ -97,26 +93,10 @@ def declared_size(request: web.Request) -> int | None:
     return None if text is None else _decimal(text, "X-Digest-SizeBytes")
 
 
-class ByteCounter:
-    """How many body bytes went past (as received, before any decoding)."""
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
-
-
-async def counted_body(request: web.Request, counter: ByteCounter) -> AsyncIterator[bytes]:
-    """The request body in chunks of at most CHUNK_SIZE, counted into `counter`."""
+async def body_chunks(request: web.Request) -> AsyncIterator[bytes]:
+    """The request body in chunks of at most CHUNK_SIZE."""
     async for chunk in request.content.iter_chunked(CHUNK_SIZE):
-        counter.n += len(chunk)
         yield chunk
-
-
-async def one_chunk(data: bytes) -> AsyncIterator[bytes]:
-    """`data` as an async iterator (nothing at all when empty)."""
-    if data:
-        yield data
 
 
 async def chain(first: bytes, rest: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
@@ -126,10 +106,3 @@ async def chain(first: bytes, rest: AsyncIterable[bytes]) -> AsyncIterator[bytes
     async for chunk in rest:
         yield chunk
 
-
-async def aclose(iterator: object) -> None:
-    """Close an async generator (a store read, a body) if it can be closed, ignoring its errors."""
-    close = getattr(iterator, "aclose", None)
-    if close is not None:
-        with contextlib.suppress(Exception):
-            await close()

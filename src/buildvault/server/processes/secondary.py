@@ -76,7 +76,7 @@ async def serve(settings: Settings, config: dict[str, Any]) -> int:
     services = Services(
         blobs=blobs,
         actions=actions,
-        action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE),
+        action_cache=ActionCache(blobs, actions, message_limit=MAX_MESSAGE_SIZE, recorder=metrics),
         uploads=Uploads(blobs),
         metrics=metrics,
         version=str(config.get("version", "")),

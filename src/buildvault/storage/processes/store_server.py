@@ -28,7 +28,7 @@ from array import array
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage import ActionStore, BlobStore, close_chunks
 from buildvault.storage.processes import wire
 from buildvault.storage.processes.client import STREAM_LIMIT
 from buildvault.storage.processes.wire import Kind
@@ -180,10 +180,7 @@ class StoreServer:
                     return True
                 await wire.write_frame(writer, Kind.DATA, chunk)  # the peer gone: ends the connection
         finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            await close_chunks(chunks)
         await wire.write_frame(writer, Kind.END)
         return True
 
