@@ -33,6 +33,7 @@ from buildvault.digest import Digest, DigestFunction
 from buildvault.server.errors import http_status, is_internal
 from buildvault.server.http.protocol import (
     REQUEST_KIND,
+    CachePath,
     HttpError,
     accepts_zstd,
     body_chunks,
@@ -41,8 +42,8 @@ from buildvault.server.http.protocol import (
     content_length,
     declared_size,
     error_response,
+    parse_cache_path,
 )
-from buildvault.server.http.routes import CachePath, parse_cache_path
 from buildvault.storage import BlobStore, NotFound, close_chunks, single_chunk
 
 __all__ = ["ALLOWED_METHODS", "DEFAULT_MAX_ENTRY_SIZE", "PAGES", "CacheHandlers"]

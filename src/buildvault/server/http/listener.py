@@ -17,8 +17,7 @@ from buildvault.digest import InvalidDigest
 from buildvault.server.auth import Auth
 from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
 from buildvault.server.http.handlers import DEFAULT_MAX_ENTRY_SIZE, CacheHandlers
-from buildvault.server.http.protocol import REQUEST_KIND
-from buildvault.server.http.routes import parse_cache_path
+from buildvault.server.http.protocol import REQUEST_KIND, parse_cache_path
 from buildvault.server.http.status import StatusPages
 from buildvault.server.metrics import Metrics, http_method_label
 from buildvault.server.services import Services, StartupError, StatsSource, format_address
