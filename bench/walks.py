@@ -14,9 +14,10 @@ syncer, the status sampler) does not count. The requests, as in issue 33:
 - GetActionResult of an entry with an output file and an output directory (Tree), with the
   completeness check that reads the Tree and checks every file in it.
 
-The main line leaves out what every request of a protocol passes whatever it asks (the request
-log, the RPC wrapper, the HTTP middleware, the metrics registry they feed: WRAPPERS); the
-table gives both counts. Run it at two commits to compare walks, e.g. with the older source
+The main line leaves out what wraps a request whatever it asks (the request log, the RPC
+wrappers put on at registration, the HTTP middleware, the metrics registry and the request
+history they feed: WRAPPERS); the table gives both counts. Settings are the defaults (chunking
+of large blobs included). Run it at two commits to compare walks, e.g. with the older source
 first on the path: `PYTHONPATH=../old/src .venv/bin/python bench/walks.py`.
 """
 
@@ -49,7 +50,7 @@ LARGE = 4 << 20
 # Passed by every request of a protocol, whatever it asks: not the request's main line.
 WRAPPERS = frozenset(
     {"logs.py", "server/metrics.py", "server/grpc/__init__.py", "server/grpc/request_metrics.py",
-     "server/http/listener.py"}
+     "server/grpc/recorded.py", "server/http/listener.py", "history/recorder.py", "history/metadata.py"}
 )  # fmt: skip
 RUNS = 3
 

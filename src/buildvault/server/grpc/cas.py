@@ -266,7 +266,7 @@ class CasService:
         listed = await chunks.split(digest)
         logs.note(blob=str(digest), chunks=len(listed))
         return re_pb2.SplitBlobResponse(
-            chunk_digests=[re_pb2.Digest(hash=c.hash, size_bytes=c.size_bytes) for c in listed],
+            chunk_digests=[c.to_proto(re_pb2.Digest) for c in listed],
             chunking_function=re_pb2.ChunkingFunction.FAST_CDC_2020,
         )
 

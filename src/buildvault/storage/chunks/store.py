@@ -97,7 +97,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
 
     async def _put_list(self, digest: Digest, chunks: Sequence[Digest]) -> None:
         message = re_pb2.SplitBlobResponse(
-            chunk_digests=[re_pb2.Digest(hash=c.hash, size_bytes=c.size_bytes) for c in chunks],
+            chunk_digests=[c.to_proto(re_pb2.Digest) for c in chunks],
             chunking_function=re_pb2.ChunkingFunction.FAST_CDC_2020,
         )
         await self.lists.put(NAMESPACE, digest, message.SerializeToString())
