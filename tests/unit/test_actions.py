@@ -16,6 +16,7 @@ from buildvault.remote_apis import re_pb2
 from buildvault.storage import NotFound, ac_namespace
 from buildvault.storage.empty_blob import EmptyBlobStore, is_empty_blob
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
+from buildvault.storage.metrics import REQUEST_PROTOCOL
 
 B3 = DigestFunction.BLAKE3
 
@@ -390,3 +391,45 @@ async def test_lookup_entry_prefers_a_complete_real_entry_and_hides_a_broken_one
     assert await cache.lookup_entry("i", ACTION) is None  # its blob is gone: a miss
     await cache.store_entry("i", ACTION, b"\xff opaque replacement")  # lands in raw
     assert await cache.lookup_entry("i", ACTION) == b"\xff opaque replacement"
+
+
+class Lookups:
+    """A LookupRecorder that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool]] = []
+
+    def ac_lookup(self, protocol: str, hit: bool) -> None:
+        self.seen.append((protocol, hit))
+
+
+async def test_client_lookups_are_counted_once_by_protocol(stores):
+    blobs, actions = stores
+    lookups = Lookups()
+    cache = ActionCache(over_stack(blobs), actions, recorder=lookups)
+    await put(blobs, b"out")
+    result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="out", digest=pd(b"out"))])
+    await cache.update("", ACTION, result)
+    await actions.put(ac_namespace("", "raw"), Digest.of(b"raw key"), b"ccache entry")
+    token = REQUEST_PROTOCOL.set("grpc")
+    try:
+        assert await cache.get("", ACTION, counted=True) == result  # hit
+        with pytest.raises(NotFound):
+            await cache.get("", Digest.of(b"absent"), counted=True)  # miss
+        await cache.get("", ACTION)  # Execute's own cache check: not a client's lookup
+        drop(blobs, b"out")
+        with pytest.raises(NotFound):
+            await cache.get("", ACTION, counted=True)  # incomplete: a miss
+        with pytest.raises(InvalidDigest):
+            await cache.get("../x", ACTION, counted=True)  # a bad request: neither
+    finally:
+        REQUEST_PROTOCOL.reset(token)
+    token = REQUEST_PROTOCOL.set("http")
+    try:
+        assert await cache.lookup_entry("", Digest.of(b"raw key"), counted=True) == b"ccache entry"
+        assert await cache.lookup_entry("", Digest.of(b"absent"), counted=True) is None
+        assert await cache.lookup_entry("", Digest.of(b"raw key")) == b"ccache entry"  # HEAD: not counted
+    finally:
+        REQUEST_PROTOCOL.reset(token)
+    assert await cache.lookup_entry("", Digest.of(b"raw key"), counted=True) == b"ccache entry"  # no front end
+    assert lookups.seen == [("grpc", True), ("grpc", False), ("grpc", False), ("http", True), ("http", False)]
