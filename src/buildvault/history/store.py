@@ -371,26 +371,36 @@ class HistoryStore:
         return [Row(*row) for row in rows]
 
     def same_step(
-        self, instance: str, target: str, mnemonic: str, before: float, *, exclude_digest: str, limit: int = 50
+        self,
+        instance: str,
+        target: str,
+        mnemonic: str,
+        before: float,
+        *,
+        exclude_digest: str,
+        exclude_invocation: str = "",
+        limit: int = 50,
     ) -> list[tuple[str, str, float]]:
-        """Earlier action digests recorded for the same target and mnemonic, newest first:
-        (digest, invocation, time), one per digest."""
+        """Earlier action digests recorded for the same target and mnemonic in other invocations,
+        newest first: (digest, invocation, time), one per digest."""
         rows = self._read(
             "SELECT digest, invocation, max(time) FROM requests WHERE instance = ? AND target = ? AND mnemonic = ?"
-            " AND time < ? AND digest != ? AND method IN ('ac_get', 'ac_update', 'execute')"
+            " AND time < ? AND digest != ? AND invocation != ? AND method IN ('ac_get', 'ac_update', 'execute')"
             " GROUP BY digest ORDER BY max(time) DESC LIMIT ?",
-            (instance, target, mnemonic, before, exclude_digest, limit),
+            (instance, target, mnemonic, before, exclude_digest, exclude_invocation or "\x00", limit),
         )
         return [(str(d), str(i), float(t)) for d, i, t in rows]
 
     def recent_actions(
-        self, instance: str, before: float, *, exclude_digest: str, limit: int = 2000
+        self, instance: str, before: float, *, exclude_digest: str, exclude_invocation: str = "", limit: int = 300
     ) -> list[tuple[str, str, float]]:
-        """Earlier action digests of an instance, newest first (the search by output paths)."""
+        """Earlier action digests of an instance in other invocations, newest first (the search by
+        output paths when the client sent no target)."""
         rows = self._read(
             "SELECT digest, invocation, max(time) FROM requests WHERE instance = ? AND time < ? AND digest != ?"
-            " AND method IN ('ac_get', 'ac_update', 'execute') GROUP BY digest ORDER BY max(time) DESC LIMIT ?",
-            (instance, before, exclude_digest, limit),
+            " AND invocation != ? AND method IN ('ac_get', 'ac_update', 'execute')"
+            " GROUP BY digest ORDER BY max(time) DESC LIMIT ?",
+            (instance, before, exclude_digest, exclude_invocation or "\x00", limit),
         )
         return [(str(d), str(i), float(t)) for d, i, t in rows]
 

@@ -22,10 +22,13 @@ from buildvault.server.auth.policy import ANONYMOUS, Refusal
 from buildvault.server.auth.runtime import Auth
 from buildvault.server.auth.tls import common_name
 
-__all__ = ["HEALTHZ", "auth_middleware", "healthz"]
+__all__ = ["HEALTHZ", "PRINCIPAL", "auth_middleware", "healthz"]
 
 HEALTHZ = "/healthz"
 CHALLENGE = {"WWW-Authenticate": 'Basic realm="buildvault"'}
+# The request key under which the middleware leaves the caller (None: no credential), for
+# handlers that check an instance the path does not name (the build pages).
+PRINCIPAL: Any = web.RequestKey("buildvault_caller", object) if hasattr(web, "RequestKey") else "buildvault_caller"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Route = Callable[[web.Request], tuple[str | None, str, str]]
@@ -85,6 +88,7 @@ def auth_middleware(auth: Auth, route: Route) -> Any:
                     return web.Response(status=401, text=str(refusal) + "\n", headers=CHALLENGE)
                 return web.Response(status=403, text=str(refusal) + "\n")
         logs.note(principal=caller.principal if caller else ANONYMOUS)
+        request[PRINCIPAL] = caller
         response = await handler(request)
         if audit is not None and kind == "ac" and request.method == "PUT" and response.status == 200:
             http_write(audit, caller, instance or "", hash_, request.remote)

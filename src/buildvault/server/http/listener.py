@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from aiohttp import web
@@ -14,8 +14,10 @@ from aiohttp.typedefs import Middleware
 from buildvault import logs
 from buildvault.actions import ActionCache
 from buildvault.digest import InvalidDigest
+from buildvault.history import Recorder
 from buildvault.server.auth import Auth
 from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
+from buildvault.server.http.build_pages import DEFAULT_SECRET_PATTERNS, BuildPages
 from buildvault.server.http.handlers import DEFAULT_MAX_ENTRY_SIZE, CacheHandlers
 from buildvault.server.http.protocol import REQUEST_KIND, parse_cache_path
 from buildvault.server.http.status import StatusPages
@@ -103,6 +105,8 @@ def create_app(
     max_entry_size: int = DEFAULT_MAX_ENTRY_SIZE,
     version: str | None = None,
     auth: Auth | None = None,
+    history: Recorder | None = None,
+    secret_patterns: Sequence[str] = DEFAULT_SECRET_PATTERNS,
 ) -> web.Application:
     """The aiohttp application: cache endpoints, /status, /status.html, / and /metrics.
 
@@ -136,6 +140,8 @@ def create_app(
         ("/status/history", pages.history_json),
     ):
         app.router.add_get(route, page)  # answers HEAD too
+    # The build pages (invocations, actions, misses explained) over the history and the CAS.
+    BuildPages(history, cas, action_store, auth, secret_patterns).add_routes(app)
     app.router.add_route("*", "/{tail:.*}", handlers.handle)
 
     async def start_history(_: web.Application) -> None:
@@ -174,6 +180,8 @@ class HttpListener:
             max_blob_size=services.max_cas_blob_size or None,
             version=services.version,
             auth=services.auth,
+            history=services.history,
+            secret_patterns=services.secret_patterns or DEFAULT_SECRET_PATTERNS,
         )
         app[STATUS_KEY].pins = services.pins
         tls = services.auth.tls if services.auth is not None else None

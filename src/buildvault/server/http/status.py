@@ -195,6 +195,7 @@ footer{{margin-top:1.5em;color:#777;font-size:.9em}}
 <table>
 {body}
 </table>
+<p><a href="/invocations">Invocations</a>: builds, their cache misses and why they missed</p>
 <footer><a href="/status">/status</a> (JSON) · <a href="/status/history">/status/history</a> (samples)
 · <a href="/metrics">/metrics</a> (Prometheus)</footer>
 </body></html>
