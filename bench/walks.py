@@ -16,9 +16,10 @@ syncer, the status sampler) does not count. The requests, as in issue 33:
 
 The main line leaves out what wraps a request whatever it asks (the request log, the RPC
 wrappers put on at registration, the HTTP middleware, the metrics registry and the request
-history they feed: WRAPPERS); the table gives both counts. Settings are the defaults (chunking
-of large blobs included). Run it at two commits to compare walks, e.g. with the older source
-first on the path: `PYTHONPATH=../old/src .venv/bin/python bench/walks.py`.
+history they feed: WRAPPERS); the table gives both counts. Settings are the defaults: chunking
+of large blobs included; `--no-chunking` stores them whole, as every commit before chunking
+did. Run it at two commits to compare walks, e.g. with the older source first on the path:
+`PYTHONPATH=../old/src .venv/bin/python bench/walks.py`.
 """
 
 from __future__ import annotations
@@ -110,11 +111,15 @@ async def _requests(name: str, data: bytes) -> AsyncIterator[bs_pb2.WriteRequest
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="print every file and function of each walk")
+    parser.add_argument("--no-chunking", action="store_true", help="store large blobs whole (chunking = false)")
     args = parser.parse_args()
     recorder = Recorder()
     recorder.install()
     with tempfile.TemporaryDirectory(prefix="buildvault-walks-") as scratch:
-        settings = Settings(dir=Path(scratch) / "data", grpc_address="127.0.0.1:0", http_address="127.0.0.1:0")
+        options: dict[str, Any] = {"chunking": False} if args.no_chunking else {}
+        settings = Settings(
+            dir=Path(scratch) / "data", grpc_address="127.0.0.1:0", http_address="127.0.0.1:0", **options
+        )
         app = App(settings)
         await app.start()
         try:

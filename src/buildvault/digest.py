@@ -159,10 +159,6 @@ class Digest:
         return f"{self.function.label}:{self.hash}/{self.size_bytes}"
 
 
-def empty_digest(function: DigestFunction = DigestFunction.SHA256) -> Digest:
-    return Digest.of(b"", function)
-
-
 def verify_instance_name(instance_name: str) -> str:
     """Instance names become storage namespaces: allow only plain path segments."""
     if instance_name == "":
