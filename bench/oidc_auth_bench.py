@@ -72,11 +72,47 @@ def run_harness(server_address: str, pid: int, token: str, scenarios: str, out: 
     return {record["scenario"]: record for record in json.loads(out.read_text())["results"]}
 
 
+def check_cost(directory: Path, rounds: int = 5, calls: int = 100_000) -> None:
+    """The access check alone, in this process (authenticate + authorize of a remembered
+    credential, a fresh header string per call as gRPC hands it): microseconds per call."""
+    import asyncio
+
+    from buildvault.config import load_settings
+    from buildvault.server.auth.grants import Permission
+    from buildvault.server.auth.runtime import Auth
+
+    async def per_call(args: list[str], token: str) -> float:
+        flags = dict(zip((a.lstrip("-").replace("-", "_") for a in args[::2]), args[1::2], strict=True))
+        flags["oidc_issuer"] = [flags["oidc_issuer"]] if "oidc_issuer" in flags else None  # type: ignore[assignment]
+        auth = Auth.from_settings(load_settings(flags, env={}))
+        policy, value = auth.policy, f"Bearer {token}"
+        caller = await policy.authenticate(value, None)  # the first call verifies; the rest remember
+        policy.authorize(caller, Permission.READ, "")
+        started = time.perf_counter()
+        for _ in range(calls):
+            caller = await policy.authenticate(value[:1] + value[1:], None)
+            policy.authorize(caller, Permission.READ, "")
+        return (time.perf_counter() - started) / calls * 1e6
+
+    kinds = {"static": static_files(directory), "oidc": oidc_files(directory)}
+    found: dict[str, list[float]] = {"static": [], "oidc": []}
+    for _ in range(rounds):
+        for kind, (args, token) in kinds.items():
+            found[kind].append(asyncio.run(per_call(args, token)))
+    static, oidc = statistics.median(found["static"]), statistics.median(found["oidc"])
+    print(f"access check in process: static token {static:.2f} us/call, OIDC token {oidc:.2f} us/call")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--scenarios", default="fmb_c16,ac_get_c16")
+    parser.add_argument("--check-only", action="store_true", help="only the in-process cost of the check")
     args = parser.parse_args()
+    if args.check_only:
+        with tempfile.TemporaryDirectory(prefix="oidc-bench-") as tmp:
+            check_cost(Path(tmp))
+        return 0
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="oidc-bench-") as tmp:
         root = Path(tmp)

@@ -86,3 +86,83 @@ def test_grpcs_with_a_private_ca_and_a_token_file(tmp_path, env_factory, toolcha
             flush(run_env)
         assert len(toolchain.take()) == 1  # the second tree's compile came from the cache over TLS
         assert (tmp_path / "a" / "x.o").read_bytes() == (tmp_path / "b" / "x.o").read_bytes()
+
+
+def test_a_token_file_replaced_halfway_keeps_storing_with_the_new_token(tmp_path, env_factory, toolchain, require_gxx):
+    """A CI job's OIDC token is renewed during a build: the agent, which outlives the token,
+    reads BUILDVAULT_TOKEN_FILE again when it changes and keeps storing; no compile fails,
+    although the old token stops working when its key leaves the issuer's set."""
+    import signal
+
+    import grpc
+    from oidc_issuer import TestIssuer
+    from polling import wait_for
+
+    from buildvault.client.ci_token import write_token_file
+    from buildvault.remote_apis import re_grpc, re_pb2
+
+    main = {"ref": "refs/heads/main", "event_name": "push"}
+    with TestIssuer(kinds=("rsa",)) as issuer:
+        tokens = tmp_path / "tokens"
+        admin = new_token(tokens, "admin")
+        access = tmp_path / "access.toml"
+        access.write_text(
+            '[[grant]]\nprincipal = "admin"\npermissions = ["read", "write"]\n'
+            f'[[grant]]\nissuer = "{issuer.url}"\n'
+            'claims = { repository = "org/vllm-ascend", ref = "refs/heads/main" }\n'
+            'permissions = ["read", "write"]\n'
+        )
+        args = [
+            "--token-file", str(tokens), "--access-file", str(access),
+            "--oidc-issuer", issuer.url, "--oidc-audience", issuer.audience,
+        ]  # fmt: skip
+        with ServerProcess(tmp_path / "server" / "data", extra_args=args) as server:
+            token_file = tmp_path / "ci.token"
+            old = issuer.mint(**main)
+            write_token_file(str(token_file), old)
+            env = env_factory(server, BUILDVAULT_TOKEN_FILE=str(token_file))
+            env["SHIM_LOG"] = str(toolchain.log)
+
+            def compile_one(name: str) -> None:
+                tree = tmp_path / name
+                tree.mkdir()
+                (tree / f"{name}.cc").write_text(f"int {name}() {{ return {len(name)}; }}\n")
+                run_env = dict(env, BUILDVAULT_ROOTS=f"SRC={tree},BUILD={tree}")
+                argv = [launcher_command(), toolchain.cxx, "-O2", "-c", str(tree / f"{name}.cc"), "-o", "out.o"]
+                done = subprocess.run(argv, cwd=tree, env=run_env, capture_output=True, text=True, timeout=120)
+                assert done.returncode == 0, done.stderr
+                assert (tree / "out.o").exists()
+                assert "refused" not in done.stderr and "unavailable" not in done.stderr, done.stderr
+                flush(run_env)
+
+            def stored() -> int:
+                return int(status(server.http_address, bearer(admin))["ac_entries"])
+
+            for name in ("a1", "a2", "a3"):
+                compile_one(name)
+            first = stored()
+            assert first > 0
+            # The issuer rotates its key (the server learns it on SIGHUP): the old token is dead.
+            fresh_key = issuer.rotate("rsa")
+            server.process.send_signal(signal.SIGHUP)
+            wait_for(lambda: server.output().count("keys loaded") >= 2, 20, "the new key set")
+
+            async def refused_now() -> grpc.StatusCode:
+                async with grpc.aio.insecure_channel(server.grpc_address) as channel:
+                    try:
+                        await re_grpc.ActionCacheStub(channel).GetActionResult(
+                            re_pb2.GetActionResultRequest(action_digest=re_pb2.Digest(hash="0" * 64, size_bytes=1)),
+                            metadata=(("authorization", bearer(old)),),
+                        )
+                    except grpc.aio.AioRpcError as e:
+                        return e.code()
+                return grpc.StatusCode.OK
+
+            import asyncio
+
+            assert asyncio.run(refused_now()) == grpc.StatusCode.UNAUTHENTICATED
+            write_token_file(str(token_file), issuer.mint(fresh_key, **main))  # the CI renews the token
+            for name in ("b1", "b2", "b3"):
+                compile_one(name)
+            assert stored() == 2 * first  # three more compiles stored as much as the first three
+            assert len(toolchain.take()) == 6  # every compile ran (distinct sources), none failed

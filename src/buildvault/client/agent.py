@@ -70,6 +70,8 @@ class Agent:
     def __init__(self, remote_url: str, instance: str, writer: bool, timeout: float, tmpdir: str) -> None:
         self.remote = Remote(remote_url, instance, timeout=timeout, upload_timeout=max(timeout * 4, 20.0))
         self.writer = writer
+        self.configured_writer = writer
+        self.denied_token = -1  # the token generation a write was refused to
         self.tmpdir = tmpdir
         self.hasher = FileHasher()
         self.compilers = CompilerIdentity()
@@ -99,9 +101,22 @@ class Agent:
     def _denied(self, error: Exception) -> str | None:
         with self.lock:
             was_writer, self.writer = self.writer, False
+            self.denied_token = self.remote.tokens.generation
         if not was_writer:
             return None
         return f"buildvault-cc: the remote cache refused an upload ({error}); compiling without uploading"
+
+    def _new_token(self) -> None:
+        """The token file changed (a CI token was renewed): read it now, and forget a refusal or an
+        outage the old token met, so the next compile uses the cache and uploads again."""
+        try:
+            self.remote.tokens.metadata()
+        except RemoteError:
+            return
+        with self.lock:
+            self.down_until = 0.0
+            if self.configured_writer and self.denied_token != self.remote.tokens.generation:
+                self.writer = True
 
     def _ok(self) -> None:
         if self.warned:
@@ -141,6 +156,8 @@ class Agent:
         c = classify(argv, env, extra)
         if isinstance(c, Bypass):
             return {"op": "bypass", "reason": c.reason}
+        if self.remote.tokens.changed():
+            self._new_token()
         if time.monotonic() < self.down_until:
             return {"op": "bypass", "reason": "remote-unavailable"}
         t0 = time.perf_counter()

@@ -5,7 +5,8 @@ can fail open: compile locally and warn once. A write the server refuses with
 PERMISSION_DENIED raises `PermissionDenied` (a read-only credential: stop uploading).
 
 Credentials and TLS come from the environment: `BUILDVAULT_TOKEN` (the token) or
-`BUILDVAULT_TOKEN_FILE` (a file holding it) is sent as `authorization: Bearer …`;
+`BUILDVAULT_TOKEN_FILE` (a file holding it, read again whenever it changes: CI tokens live
+minutes) is sent as `authorization: Bearer …`;
 `grpcs://host:port` uses TLS, trusting `BUILDVAULT_TLS_CA` (a PEM file) or the system roots.
 """
 
@@ -64,6 +65,54 @@ def token_from_env(env: dict[str, str] | None = None) -> str | None:
         raise RemoteError(f"BUILDVAULT_TOKEN_FILE={path}: {e.strerror or e}") from None
 
 
+class TokenSource:
+    """The bearer token to send: `BUILDVAULT_TOKEN`, or `BUILDVAULT_TOKEN_FILE` read again whenever
+    the file changes (inode, size or mtime), so a long-lived process (buildvault-cc's agent, a
+    long `buildvault run`) follows a CI system's short-lived tokens. One stat per call."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ) if env is None else env
+        static = env.get("BUILDVAULT_TOKEN", "").strip()
+        self.path = None if static else (env.get("BUILDVAULT_TOKEN_FILE") or None)
+        self.generation = 0  # bumped each time the token read changes
+        self._stamp: tuple[int, int, int] | None = None
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {static}"),) if static else ()
+        if self.path is not None:
+            self.metadata()  # an unreadable file is an error at once
+
+    def changed(self) -> bool:
+        """Whether the file differs from the one last read (False without a file)."""
+        if self.path is None:
+            return False
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_ino, st.st_size, st.st_mtime_ns) != self._stamp
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata (`authorization: Bearer …`, or nothing without a token)."""
+        path = self.path
+        if path is None:
+            return self._metadata
+        try:
+            st = os.stat(path)
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            if stamp == self._stamp:
+                return self._metadata
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            if self._stamp is not None:  # replaced non-atomically, for a moment: keep the last token
+                return self._metadata
+            raise RemoteError(f"BUILDVAULT_TOKEN_FILE={path}: {e.strerror or e}") from None
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if metadata != self._metadata:
+            self.generation += 1
+        self._stamp, self._metadata = stamp, metadata
+        return metadata
+
+
 def channel_credentials(env: dict[str, str] | None = None) -> grpc.ChannelCredentials:
     """TLS credentials for grpcs://: the CA in BUILDVAULT_TLS_CA, else the system roots."""
     env = dict(os.environ) if env is None else env
@@ -104,12 +153,16 @@ class Remote:
             self.channel = grpc.secure_channel(self.target, channel_credentials(), options=options)
         else:
             self.channel = grpc.insecure_channel(self.target, options=options)
-        token = token_from_env()
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self.tokens = TokenSource()
         self.ac = re_grpc.ActionCacheStub(self.channel)
         self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
         self.bs = bs_grpc.ByteStreamStub(self.channel)
         self.present: dict[Digest, float] = {}  # blob -> when the server last had it
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Each call's metadata: the current token (the token file is read again when it changes)."""
+        return self.tokens.metadata()
 
     def close(self) -> None:
         self.channel.close()

@@ -1,4 +1,5 @@
-"""`buildvault token add PRINCIPAL --token-file FILE`: make a token, keep only its hash."""
+"""`buildvault token add PRINCIPAL --token-file FILE`: make a token, keep only its hash.
+`buildvault token ci`: the CI job's OIDC token (client/ci_token.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ def add_token_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     )
     add.add_argument("principal", metavar="PRINCIPAL", help="the name grants and request logs use, e.g. ci")
     add.add_argument("--token-file", required=True, metavar="FILE", help="the server's --token-file")
+    from buildvault.client.ci_token import add_ci_parser  # a CI job's own OIDC token (issue 36)
+
+    add_ci_parser(actions)
 
 
 def add_token_command(args: argparse.Namespace) -> int:
+    if args.token_command == "ci":
+        from buildvault.client.ci_token import ci_token_command
+
+        return ci_token_command(args)
     path = Path(args.token_file)
     try:
         token = add_token(args.principal, path)
