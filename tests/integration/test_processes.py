@@ -181,6 +181,28 @@ async def test_what_one_connection_writes_every_other_sees_at_once(two):
     assert store_calls > 0
 
 
+async def test_the_empty_blob_and_the_ac_hits_hold_in_every_process(two):
+    """The empty-blob rule and the hit count live in the primary's store stack and in each
+    process's ActionCache: a secondary follows both, and its hits reach the primary's /metrics."""
+    empty = digest(b"")
+    async with many(two.grpc_address) as clients:
+        action = digest(os.urandom(32))
+        result = re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="e", digest=empty)], stdout_digest=empty)
+        await clients[0].ac.UpdateActionResult(
+            re_pb2.UpdateActionResultRequest(action_digest=action, action_result=result)
+        )
+        for client in clients:
+            assert await missing(client, [empty]) == set()
+            assert await write(client, b"") == 0
+            assert await read(client, empty) == b""
+            got = await client.ac.GetActionResult(re_pb2.GetActionResultRequest(action_digest=action))
+            assert list(got.output_files) == list(result.output_files)
+    hits = ("buildvault_ac_hits_total", (("protocol", "grpc"),))
+    wait_for(lambda: samples(two).get(hits, 0) == CHANNELS, 30, "every process's hits at the primary")
+    primary, secondary = served(two)
+    assert primary > 0 and secondary > 0, (primary, secondary)
+
+
 async def test_the_size_cap_holds_for_the_whole_store(two):
     cap = 24 * MiB
     async with many(two.grpc_address) as clients:
