@@ -507,3 +507,35 @@ async def test_reader_downloads_never_and_always(tmp_path, origin):
         unpinned = ra_pb2.FetchBlobRequest(uris=[origin.url("/f")])
         assert (await server.fetch.FetchBlob(unpinned, metadata=meta)).blob_digest == digest(b"f")
         assert origin.count("/f") == 1
+
+
+def test_with_several_processes_every_process_serves_fetches(buildvault_server_factory, origin):
+    from auth_setup import metric
+    from polling import wait_for
+
+    server = buildvault_server_factory(
+        extra_args=["--local-workers", "0", "--processes", "2", "--asset-allow-hosts", "127.0.0.1"]
+    )
+    files = {f"/p{i}": random.randbytes(5000 + i) for i in range(16)}
+    origin.files.update(files)
+
+    async def one(path: str, data: bytes) -> bytes:
+        # A local subchannel pool each: channels of one target otherwise share one connection.
+        options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(server.grpc_address, options=options) as channel:
+            request = ra_pb2.FetchBlobRequest(
+                uris=[origin.url(path)], qualifiers=[Q(name="checksum.sri", value=sri(data))]
+            )
+            answer = await ra_grpc.FetchStub(channel).FetchBlob(request)
+            return await read(make_stubs(channel), answer.blob_digest)
+
+    async def all_of_them() -> list[bytes]:
+        return await asyncio.gather(*(one(path, data) for path, data in files.items()))
+
+    assert asyncio.run(all_of_them()) == list(files.values())
+    assert all(origin.count(path) == 1 for path in files)
+    wait_for(
+        lambda: metric(server.http_address, "buildvault_secondary_requests_total", {"process": "1"}) > 0,
+        30,
+        "the secondary's relayed requests (some of the 16 connections reached it)",
+    )
