@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return audit_command(args)
     if args.command == "worker":  # remote execution (issue 12)
-        from buildvault.execution.worker.redis_worker import run_worker
+        from buildvault.execution.redis.worker import run_worker
 
         return run_worker(args)
     if args.command in ("status", "verify", "gc"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from buildvault.execution import redis_keys as keys
 from buildvault.execution.executor import PRIORITY_RANGE
+from buildvault.execution.redis import keys
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""Execute's behaviour without gRPC: checks, the ActionCache, dedup, the scheduler, cancel.
+"""Execute's behaviour without gRPC: checks, the ActionCache, watchers and grace, cancel.
 
-    executor = Executor(config, blobs, action_cache, workers)
+    executor = Executor(config, blobs, action_cache, open_queue)   # a queue.QueueFactory
     operation = await executor.execute(instance, action_digest, skip_cache_lookup=False, priority=0)
     async for message in executor.follow(operation): ...      # counts the client as a watcher
     await executor.cancel(operation.name)
@@ -10,6 +10,10 @@ violation per blob), `InvalidRequest` (INVALID_ARGUMENT: a bad timeout, priority
 key), `NoMatchingWorker` (FAILED_PRECONDITION naming the platform). Errors while running are
 in the response's status. A successful, cacheable result (exit code 0, status OK, not
 `do_not_cache`) is in the ActionCache before its operation reports done.
+
+Where jobs wait and run, and how identical actions in flight are shared, is the queue's business
+(execution.queue: local/ in process, redis/ across servers); the executor calls it the same way
+whichever it is.
 """
 
 from __future__ import annotations
@@ -26,22 +30,10 @@ from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.actions import ActionCache
 from buildvault.digest import Digest, DigestFunction, verify_instance_name
-from buildvault.execution.operations import (
-    KEEP_FINISHED,
-    Job,
-    Operation,
-    OperationTable,
-    Stage,
-    cancelled_response,
-    new_operation_name,
-    operation_message,
-)
+from buildvault.execution.operations import Job, Operation, OperationTable
 from buildvault.execution.platform import MatchRules, PlatformError, format_properties
-from buildvault.execution.redis_scheduler import RedisScheduler
+from buildvault.execution.queue import QueueFactory
 from buildvault.execution.requests import InvalidRequest, load_action
-from buildvault.execution.scheduler import Scheduler, Worker
-from buildvault.execution.shared_jobs import SharedJobs
-from buildvault.execution.shared_state import SharedState
 from buildvault.execution.stats import ExecutionStats
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import BlobStore, NotFound, single_chunk
@@ -73,35 +65,21 @@ class Executor:
         config: ExecutionConfig,
         blobs: BlobStore,
         action_cache: ActionCache,
-        workers: list[Worker],
-        queue_url: str = "",
+        open_queue: QueueFactory,
     ) -> None:
         self.config = config
         self.blobs = blobs
         self.action_cache = action_cache
         self.operations = OperationTable()
-        self.scheduler: Scheduler | RedisScheduler
-        # Redis mode: operations, job states and the in-flight index are shared by every server.
-        self.shared: SharedJobs | None = None
-        if queue_url:
-            self.scheduler = RedisScheduler(queue_url, config.rules, self._finished)
-            self.shared = SharedJobs(SharedState(self.scheduler.redis, KEEP_FINISHED), self.scheduler.server_id)
-            self.shared.on_cancelled = self._cancelled_elsewhere
-        else:
-            self.scheduler = Scheduler(workers, config.rules, self._finished)
-        self._in_flight: dict[tuple[str, str], Job] = {}
+        self.queue = open_queue(self.operations, self._finished)
         self._orphan_checks: dict[str, asyncio.TimerHandle] = {}
         self._closing = asyncio.Event()
         self._cancelling: set[asyncio.Task[None]] = set()
         self.stats = ExecutionStats()
-        self.scheduler.on_started = self.stats.started
+        self.queue.scheduler.on_started = self.stats.started
 
     async def start(self) -> None:
-        """Redis mode: connect, and follow the job states other servers publish."""
-        if isinstance(self.scheduler, RedisScheduler):
-            await self.scheduler.start()
-        if self.shared is not None:
-            await self.shared.start()
+        await self.queue.start()
 
     # -- Execute --------------------------------------------------------------------------
 
@@ -128,7 +106,7 @@ class Executor:
             )
         except PlatformError as e:
             raise InvalidRequest(str(e)) from None
-        if not self.scheduler.could_run(requirements):
+        if not self.queue.scheduler.could_run(requirements):
             raise NoMatchingWorker(f"no worker pool offers the platform {{{format_properties(requirements)}}}")
         cacheable = not action.do_not_cache
         if cacheable and not skip_cache_lookup:
@@ -140,15 +118,8 @@ class Executor:
                 self.stats.cache_hit()
                 response = re_pb2.ExecuteResponse(result=cached, cached_result=True, status=status_pb2.Status())
                 hit = self.operations.create(None, action_digest, response)
-                if self.shared is not None:
-                    await self.shared.state.save_operation(hit.name, action_digest, "", response)
+                await self.queue.record_hit(hit)
                 return hit
-        key = (instance, action_digest.key) if cacheable else None
-        if key is not None and self.shared is None:
-            shared = self._in_flight.get(key)
-            if shared is not None and not shared.done:
-                self.stats.dedup_merges += 1
-                return self.operations.create(shared, action_digest)
         job = Job(
             id=uuid.uuid4().hex,
             instance=instance,
@@ -159,40 +130,12 @@ class Executor:
             timeout=timeout,
             priority=priority,
             cacheable=cacheable,
-            dedup_key=key,
+            dedup_key=(instance, action_digest.key) if cacheable else None,
             on_done=self.stats.finished,
         )
-        if self.shared is not None:
-            return await self._submit_shared(self.shared, job)
-        if key is not None:
-            self._in_flight[key] = job
-        operation = self.operations.create(job, action_digest)
-        self.scheduler.submit(job)
-        return operation
-
-    async def _submit_shared(self, shared: SharedJobs, job: Job) -> Operation:
-        """Redis mode: join the job another Execute (on any server) runs for this action, or queue."""
-        key = job.dedup_key
-        name = new_operation_name()
-        # The common case, no identical job in flight, is this one round trip.
-        claimed = await shared.state.create_job(job.id, key, shared.server_id, (name, job.action_digest))
-        if not claimed and key is not None:
-            other = await shared.state.claim_in_flight(key, job.id)
-            if other is not None:
-                joined = await shared.state.join(other)
-                running = None
-                if joined is not None:
-                    running = await shared.job_for(other, job.instance, job.action_digest, joined)
-                if running is not None:
-                    await shared.state.drop_job(job.id)
-                    await shared.state.save_operation(name, job.action_digest, other, None)
-                    self.stats.dedup_merges += 1
-                    return self.operations.adopt(name, running, job.action_digest)
-                # The job the index named ended or was cancelled: this one replaces it.
-                await shared.state.take_over_in_flight(key, job.id)
-        shared.track(job)
-        operation = self.operations.adopt(name, job, job.action_digest)
-        self.scheduler.submit(job)
+        operation, joined = await self.queue.submit(job)
+        if joined:
+            self.stats.dedup_merges += 1
         return operation
 
     def _timeout(self, action: re_pb2.Action) -> float:
@@ -208,9 +151,7 @@ class Executor:
         return seconds
 
     async def _finished(self, job: Job, response: re_pb2.ExecuteResponse) -> re_pb2.ExecuteResponse:
-        """Before the job reports done: the ActionCache entry, and the in-flight entry dropped."""
-        if job.dedup_key is not None and self._in_flight.get(job.dedup_key) is job:
-            del self._in_flight[job.dedup_key]
+        """Before the job reports done: the worker's log stored, the ActionCache entry written."""
         if response.message:
             await self._attach_log(response)
         if job.cacheable and response.status.code == code_pb2.OK and response.result.exit_code == 0:
@@ -218,8 +159,6 @@ class Executor:
                 await self.action_cache.update(job.instance, job.action_digest, response.result)
             except Exception:
                 log.exception("cannot store the result of %s in the action cache", job.action_digest)
-        # Redis mode: the job leaves the in-flight index when its done state is published, after
-        # this ActionCache write (an Execute in between joins it and gets the same result).
         return response
 
     async def _attach_log(self, response: re_pb2.ExecuteResponse) -> None:
@@ -237,51 +176,23 @@ class Executor:
     # -- watching, cancelling -------------------------------------------------------------
 
     def get(self, name: str) -> Operation | None:
-        """An operation this server knows (see `lookup` for every server's)."""
+        """An operation this server holds (see `lookup` for every server's)."""
         return self.operations.get(name)
 
     async def list_operations(self) -> dict[str, operations_pb2.Operation]:
-        """Every operation by name: this server's, and in Redis mode every other server's too (read
-        as they are: listing one does not make it live here)."""
+        """Every operation by name: this server's, and those of every server sharing its queue
+        (read as they are: listing one does not make it live here)."""
         listed = {op.name: op.message() for op in self.operations.all()}
-        if self.shared is None:
-            return listed
-        state = self.shared.state
-        for name in await state.operation_names():
-            if name in listed:
-                continue
-            record = await state.load_operation(name)
-            if record is None:
-                continue
-            if record.response is not None:
-                listed[name] = operation_message(name, Stage("COMPLETED"), record.action_digest, record.response)
-                continue
-            job = await state.job_state(record.job_id)
-            if job is not None and (job.response is not None or not job.owner_gone):
-                listed[name] = operation_message(name, job.stage, record.action_digest, job.response)
+        listed.update(await self.queue.elsewhere(set(listed)))
         return listed
 
     async def lookup(self, name: str) -> Operation | None:
-        """The operation `name`; in Redis mode also one another server created (None: unknown or
-        expired). A copy here counts as one more live operation of its job until abandoned."""
+        """The operation `name`, this server's or one another server sharing the queue created
+        (None: unknown or expired)."""
         operation = self.operations.get(name)
-        if operation is not None or self.shared is None:
-            return operation
-        record = await self.shared.state.load_operation(name)
-        if record is None:
-            return None
-        job = None
-        if record.response is None:
-            job = await self.shared.job_for(record.job_id, "", record.action_digest)
-            if job is None:
-                return None
-        operation = self.operations.get(name)  # another lookup may have adopted it meanwhile
         if operation is not None:
             return operation
-        operation = self.operations.adopt(name, job, record.action_digest, record.response)
-        if job is not None and not job.done:
-            await self.shared.state.add_operation(job.id)
-        return operation
+        return await self.queue.find(name)
 
     async def follow(
         self, operation: Operation, from_start: bool = False
@@ -294,9 +205,7 @@ class Executor:
             raise ShuttingDown("the server is shutting down; ask again")
         operation.watchers += 1
         self._cancel_orphan_check(operation.job)
-        if operation.abandoned and self.shared is not None and operation.job is not None:
-            operation.abandoned = False
-            await self.shared.state.add_operation(operation.job.id)
+        await self.queue.watching(operation)
         messages = operation.watch(from_start)
         closing = asyncio.ensure_future(self._closing.wait())
         following: asyncio.Future[operations_pb2.Operation] = closing  # replaced before it is read
@@ -334,72 +243,27 @@ class Executor:
     def _orphan_check(self, job: Job) -> None:
         self._orphan_checks.pop(job.id, None)
         if not job.done and not any(op.watchers for op in job.live_operations()):
-            message = f"no client waited for the result for {self.config.grace:g}s"
-            if self.shared is not None:
-                stop = self._abandon(self.shared, job, message)
-            else:
-                log.info("job %s: no client waited for %gs, cancelling it", job.id, self.config.grace)
-                stop = self.scheduler.cancel(job, message)
-            task = asyncio.get_running_loop().create_task(stop)
+            task = asyncio.get_running_loop().create_task(self.queue.abandon(job, self.config.grace))
             self._cancelling.add(task)  # the loop keeps only weak references to tasks
             task.add_done_callback(self._cancelling.discard)
 
-    async def _abandon(self, shared: SharedJobs, job: Job, message: str) -> None:
-        """Redis mode: this server's unwatched operations stop counting; the job stops when no
-        server has a live operation on it."""
-        unwatched = [op for op in job.live_operations() if not op.abandoned and not op.watchers]
-        for op in unwatched:
-            op.abandoned = True
-        if unwatched and await shared.state.release(job.id, len(unwatched)) <= 0:
-            log.info("job %s: no client on any server waited for %gs, cancelling it", job.id, self.config.grace)
-            await self._stop(job, message)
-
-    async def _stop(self, job: Job, message: str) -> None:
-        if job.owned or not isinstance(self.scheduler, RedisScheduler):
-            await self.scheduler.cancel(job, message)
-        else:
-            await self.scheduler.cancel_elsewhere(job.id)
-
-    async def cancel(self, name: str, announce: bool = True) -> bool:
+    async def cancel(self, name: str) -> bool:
         """Cancel one operation (False: unknown name). Its job stops when no live operation is left
-        (in Redis mode: on any server, and every server's copy of the operation ends CANCELLED)."""
+        on it (on any server sharing the queue)."""
         operation = await self.lookup(name)
         if operation is None:
             return False
-        if operation.done:
-            return True
-        operation.cancelled = True
-        operation.response = cancelled_response("the operation was cancelled")
-        job = operation.job
-        if self.shared is not None:
-            await self.shared.state.save_operation(name, operation.action_digest, "", operation.response)
-            if announce:
-                await self.shared.state.announce_cancel(name)
-        if job is not None:
-            job.notify()
-            message = "every operation waiting for this job was cancelled"
-            if self.shared is not None:
-                counted = 0 if operation.abandoned else 1
-                if await self.shared.state.release(job.id, counted) <= 0:
-                    await self._stop(job, message)
-            elif not job.live_operations():
-                await self.scheduler.cancel(job, message)
+        if not operation.done:
+            operation.cancel()
+            await self.queue.cancelled(operation)
         return True
-
-    async def _cancelled_elsewhere(self, name: str) -> None:
-        """A client cancelled operation `name` through another server: this server's copy ends too."""
-        operation = self.operations.get(name)
-        if operation is not None and not operation.done:
-            await self.cancel(name, announce=False)
 
     async def close(self) -> None:
         self._closing.set()
         for handle in self._orphan_checks.values():
             handle.cancel()
         self._orphan_checks.clear()
-        if self.shared is not None:
-            await self.shared.close()
-        await self.scheduler.close()
+        await self.queue.close()
 
 
 async def _stop_following(

@@ -40,6 +40,7 @@ def operation_message(
         operation.response.Pack(response)
     return operation
 
+
 # How long finished operations stay answerable (WaitExecution, GetOperation).
 KEEP_FINISHED = 300.0
 # A stream repeats the current state at least this often (the issue: at least every 20 s).
@@ -71,7 +72,7 @@ class Job:
     # Every stage the job entered, in order (a retried job goes QUEUED, EXECUTING, QUEUED, ...).
     history: list[int] = field(default_factory=list)
     on_done: Callable[[Job], None] | None = None
-    # Redis mode: every change is published (execution.shared_state); `owned` False: a copy of a
+    # Redis mode: every change is published (execution.redis.jobs); `owned` False: a copy of a
     # job another server queued, kept current from its events; `seq` orders those changes.
     on_change: Callable[[Job], None] | None = None
     owned: bool = True
@@ -127,12 +128,17 @@ class Operation:
     watchers: int = 0
     finished_at: float | None = None
     # Redis mode: no client watched it for the grace period, so it no longer counts as live
-    # (shared_state `ops`); a client that comes back makes it count again.
+    # (execution.redis.state `ops`); a client that comes back makes it count again.
     abandoned: bool = False
 
     @property
     def done(self) -> bool:
         return self.current_response() is not None
+
+    def cancel(self) -> None:
+        """A client cancelled this operation: it ends CANCELLED (its job may run on for others)."""
+        self.cancelled = True
+        self.response = cancelled_response("the operation was cancelled")
 
     def current_response(self) -> re_pb2.ExecuteResponse | None:
         if self.response is not None:

@@ -24,9 +24,12 @@ from typing import Any
 from buildvault.actions import ActionCache
 from buildvault.config import Settings
 from buildvault.execution.executor import ExecutionConfig, Executor
-from buildvault.execution.local_workers import LocalWorker, build_local_workers
+from buildvault.execution.local.queue import LocalQueue
+from buildvault.execution.local.workers import LocalWorker, build_local_workers
+from buildvault.execution.operations import OperationTable
 from buildvault.execution.platform import MatchRules, PlatformError, parse_pools
-from buildvault.execution.redis_scheduler import RedisScheduler
+from buildvault.execution.queue import Finished, JobQueue, QueueFactory
+from buildvault.execution.redis.queue import RedisQueue
 from buildvault.execution.stats import snapshot
 from buildvault.execution.worker import sandbox
 from buildvault.private_socket import private_socket, remove_private_socket
@@ -52,6 +55,17 @@ def _connectable(address: str) -> str:
 def is_loopback(address: str) -> bool:
     host = address.rpartition(":")[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _queue_factory(url: str, rules: MatchRules, workers: list[LocalWorker]) -> QueueFactory:
+    """The one choice between the two queues (execution/queue.py): Redis with `--queue`, else local."""
+
+    def open_queue(operations: OperationTable, on_finished: Finished) -> JobQueue:
+        if url:
+            return RedisQueue(url, rules, operations, on_finished)
+        return LocalQueue(list(workers), rules, operations, on_finished)
+
+    return open_queue
 
 
 class ExecutionRuntime:
@@ -86,18 +100,18 @@ class ExecutionRuntime:
         # Left-overs of a previous run are never inputs of this one.
         await asyncio.to_thread(shutil.rmtree, work_root, True)
         workers = build_local_workers(pools, work_root, settings.sandbox)
+        rules = MatchRules.from_settings(settings)
         config = ExecutionConfig(
-            rules=MatchRules.from_settings(settings),
+            rules=rules,
             default_timeout=settings.action_timeout,
             max_timeout=settings.max_action_timeout,
             grace=settings.execution_grace,
         )
-        executor = Executor(config, blobs, action_cache, list(workers), queue_url=settings.queue)
-        if isinstance(executor.scheduler, RedisScheduler):
-            try:
-                await executor.start()
-            except Exception as e:
-                raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
+        executor = Executor(config, blobs, action_cache, _queue_factory(settings.queue, rules, list(workers)))
+        try:
+            await executor.start()
+        except Exception as e:
+            raise ExecutionSetupError(f"--queue {settings.queue}: {e}") from None
         socket = None
         if workers and settings.tls_cert_file:
             socket = await private_socket("workers.sock")

@@ -76,7 +76,7 @@ class ExecutionStats:
 
 def snapshot(executor: Any, sandbox: str) -> dict[str, Any]:
     """The present state and the tallies, as JSON-ready data."""
-    scheduler = executor.scheduler
+    scheduler = executor.queue.scheduler
     stats: ExecutionStats = executor.stats
     now = time.time()
     idle = {worker.name for worker in scheduler.idle_workers()}

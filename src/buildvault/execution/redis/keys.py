@@ -8,7 +8,7 @@
 - `bv:cancel`            a stream of job ids to stop; every worker follows it
 - `bv:workers`           hash: worker name -> JSON {properties, seen}; stale entries ignored
 - `bv:owners`            hash: job entry id -> the worker running it (named when it is lost)
-- `bv:job:<id>`          hash: a job's shared state (execution.shared_state): seq, stage, worker,
+- `bv:job:<id>`          hash: a job's shared state (execution.redis.state): seq, stage, worker,
                           response, ops (live operations on every server), cancelled, inflight
 - `bv:op:<name>`         hash: an operation: its job id, action digest, or its own response
 - `bv:inflight:<instance>:<action>`  the id of the job running that action (dedup across servers)

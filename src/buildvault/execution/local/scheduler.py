@@ -12,13 +12,14 @@ import asyncio
 import heapq
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Protocol
 
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.execution.operations import Job, cancelled_response
 from buildvault.execution.platform import MatchRules, Properties
+from buildvault.execution.queue import Finished
 from buildvault.remote_apis import re_pb2
 
 log = logging.getLogger("buildvault.execution")
@@ -50,9 +51,6 @@ class Worker(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-Finished = Callable[[Job, re_pb2.ExecuteResponse], Awaitable[re_pb2.ExecuteResponse]]
 
 
 class Scheduler:

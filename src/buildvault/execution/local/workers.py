@@ -21,9 +21,9 @@ from pathlib import Path
 from google.rpc import code_pb2  # type: ignore[import-untyped]
 
 from buildvault.execution import wire
+from buildvault.execution.local.scheduler import WorkerLost
 from buildvault.execution.operations import Job
 from buildvault.execution.platform import PoolSpec, Properties, host_properties
-from buildvault.execution.scheduler import WorkerLost
 from buildvault.remote_apis import re_pb2
 
 log = logging.getLogger("buildvault.execution")

@@ -4,9 +4,9 @@ Jobs are XADDed to the stream of their priority band and requirement set; worker
 properties satisfy it read it through the `workers` consumer group, more urgent bands first, so
 any number of servers share one queue. A worker reports `started` and then `result` on the
 submitting server's results stream. A lost worker's job stays pending in the group; another
-worker takes it back with XAUTOCLAIM (see execution.worker.redis_worker), up to MAX_DELIVERIES
+worker takes it back with XAUTOCLAIM (see execution.redis.worker), up to MAX_DELIVERIES
 runs. A cancelled job is stopped where it runs (`bv:cancel`) or skipped when a worker reaches it
-(its shared state says cancelled, execution.shared_state).
+(its shared state says cancelled, execution.redis.state).
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
-from buildvault.execution import redis_keys as keys
 from buildvault.execution import wire
 from buildvault.execution.operations import Job, cancelled_response
 from buildvault.execution.platform import MatchRules, Properties, format_properties
-from buildvault.execution.scheduler import Finished
+from buildvault.execution.queue import Finished
+from buildvault.execution.redis import keys
 from buildvault.remote_apis import re_pb2
 
 log = logging.getLogger("buildvault.execution")
@@ -59,7 +60,7 @@ class RedisScheduler:
         self._workers_read = 0.0
         self.retries = 0
         self.lost_workers = 0
-        self.on_started: Any = None
+        self.on_started: Callable[[Job], None] | None = None
 
     @property
     def workers(self) -> list[RemoteWorkerView]:

@@ -31,9 +31,9 @@ from typing import Any
 
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
-from buildvault.execution import redis_keys as keys
 from buildvault.execution import wire
 from buildvault.execution.platform import MatchRules, Properties, host_properties, parse_properties
+from buildvault.execution.redis import keys
 from buildvault.execution.worker import process, sandbox
 from buildvault.execution.worker.main import CasClients
 from buildvault.execution.worker.runner import Runner

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from google.rpc import code_pb2, status_pb2  # type: ignore[import-untyped]
 
 from buildvault.digest import Digest
-from buildvault.execution import redis_keys as keys
 from buildvault.execution.operations import Job
-from buildvault.execution.shared_state import JobState, SharedState
+from buildvault.execution.redis import keys
+from buildvault.execution.redis.state import JobState, SharedState
 from buildvault.remote_apis import re_pb2
 
 log = logging.getLogger("buildvault.execution")

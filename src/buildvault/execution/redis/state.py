@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.execution import redis_keys as keys
+from buildvault.execution.redis import keys
 from buildvault.remote_apis import re_pb2
 
 # A job's state lives at least as long as it could run (the maximum timeout is 2 h) plus queueing.
