@@ -19,8 +19,10 @@ from collections.abc import Iterable, Iterator
 
 import grpc
 
+from buildvault.client.chunked import CHUNKED_MIN_SIZE, ChunkCache, chunking_of, chunks_of, default_chunk_cache
 from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
+from buildvault.storage.chunks.chunker import ChunkingParams
 
 # Stay well under the 4 MiB default gRPC message limit of most servers; larger blobs use ByteStream.
 BATCH_LIMIT = int(os.environ.get("BUILDVAULT_BATCH_LIMIT", 2 * 1024 * 1024))
@@ -158,6 +160,10 @@ class Remote:
         self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
         self.bs = bs_grpc.ByteStreamStub(self.channel)
         self.present: dict[Digest, float] = {}  # blob -> when the server last had it
+        self.chunk_cache: ChunkCache | None = default_chunk_cache()
+        self._chunking: ChunkingParams | None | bool = False  # False: not asked yet
+        self.bytes_uploaded = 0  # blob bytes sent (chunks, batches, streams): what chunking saves
+        self.bytes_downloaded = 0
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -231,13 +237,69 @@ class Remote:
                 self.present[d] = now
         return missing
 
-    def upload(self, blobs: dict[Digest, bytes]) -> None:
-        """Upload the given blobs (caller already filtered with find_missing)."""
+    # -- chunked transfers (REAPI v2.12) ----------------------------------------------------------
+    def chunking(self) -> ChunkingParams | None:
+        """The server's FastCDC 2020 parameters when it splits and splices (asked once)."""
+        if self._chunking is False:
+            try:
+                reply = re_grpc.CapabilitiesStub(self.channel).GetCapabilities(
+                    re_pb2.GetCapabilitiesRequest(instance_name=self.instance), timeout=self.timeout,
+                    metadata=self.metadata,
+                )
+                self._chunking = chunking_of(reply)
+            except grpc.RpcError:
+                self._chunking = None
+        return self._chunking if isinstance(self._chunking, ChunkingParams) else None
+
+    def _upload_chunked(self, digest: Digest, data: bytes, params: ChunkingParams) -> bool:
+        """Send only the chunks the server lacks, then SpliceBlob; False if the server refused
+        splicing (the caller sends the blob whole)."""
+        chunks = chunks_of(data, params)
+        by_digest = {c.digest: c.data for c in chunks}
+        if self.chunk_cache is not None:
+            for c in chunks:
+                self.chunk_cache.put(c.digest, c.data)
+        missing = self.find_missing(by_digest)
+        self.upload({d: by_digest[d] for d in missing}, whole=True)
+        request = re_pb2.SpliceBlobRequest(
+            instance_name=self.instance, blob_digest=digest.to_proto(re_pb2.Digest),
+            chunk_digests=[c.digest.to_proto(re_pb2.Digest) for c in chunks],
+            chunking_function=re_pb2.ChunkingFunction.FAST_CDC_2020,
+        )
+        try:
+            self.cas.SpliceBlob(request, timeout=self.upload_timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
+                return False  # not offered after all, or a chunk evicted meanwhile: send whole
+            raise _error("SpliceBlob", e) from None
+        return True
+
+    def _download_chunked(self, digest: Digest) -> bytes | None:
+        """The blob from its chunk list, fetching only the chunks the chunk cache lacks (None:
+        the server could not split it; the caller reads it whole)."""
+        request = re_pb2.SplitBlobRequest(instance_name=self.instance, blob_digest=digest.to_proto(re_pb2.Digest))
+        try:
+            reply = self.cas.SplitBlob(request, timeout=self.upload_timeout, metadata=self.metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise RemoteError(f"SplitBlob: blob {digest} not found") from None
+            return None
+        listed = [from_proto(d) for d in reply.chunk_digests]
+        have = self.download(listed, whole=True)  # the chunk cache answers what it holds
+        return b"".join(have[d] for d in listed)
+
+    def upload(self, blobs: dict[Digest, bytes], whole: bool = False) -> None:
+        """Upload the given blobs (caller already filtered with find_missing); a large blob goes
+        as the chunks the server lacks when it splices (`whole`: never, e.g. for chunks)."""
         batch: list[tuple[Digest, bytes]] = []
         size = 0
         for digest, data in blobs.items():
             if digest.size_bytes == 0:
                 continue
+            if digest.size_bytes >= CHUNKED_MIN_SIZE and not whole:
+                params = self.chunking()
+                if params is not None and self._upload_chunked(digest, data, params):
+                    continue
             if digest.size_bytes > BATCH_LIMIT:
                 self._write(digest, data)
                 continue
@@ -263,6 +325,7 @@ class Remote:
             response = self.cas.BatchUpdateBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise _error("BatchUpdateBlobs", e) from None
+        self.bytes_uploaded += sum(len(b) for _, b in batch)
         for r in response.responses:
             if r.status.code != 0:
                 raise RemoteError(f"BatchUpdateBlobs: blob {r.digest.hash}: code {r.status.code}: {r.status.message}")
@@ -291,14 +354,23 @@ class Remote:
             raise _error("ByteStream.Write", e) from None
         if response.committed_size not in (digest.size_bytes, -1):
             raise RemoteError(f"ByteStream.Write committed {response.committed_size} of {digest.size_bytes} bytes")
+        self.bytes_uploaded += len(data)
 
-    def download(self, digests: Iterable[Digest]) -> dict[Digest, bytes]:
-        """Fetch blobs and verify each against its digest."""
+    def download(self, digests: Iterable[Digest], whole: bool = False) -> dict[Digest, bytes]:
+        """Fetch blobs and verify each against its digest; a large blob as the chunks the chunk
+        cache lacks when the server splits (`whole`: never, e.g. for chunks)."""
         out: dict[Digest, bytes] = {}
         small: list[Digest] = []
+        cache = self.chunk_cache
         for d in dict.fromkeys(digests):
-            if d.size_bytes == 0:
+            cached = cache.get(d) if cache is not None and d.size_bytes > 0 else None
+            if cached is not None:
+                out[d] = cached
+            elif d.size_bytes == 0:
                 out[d] = b""
+            elif d.size_bytes >= CHUNKED_MIN_SIZE and not whole and self.chunking() is not None:
+                joined = self._download_chunked(d)
+                out[d] = joined if joined is not None else self._read(d)
             elif d.size_bytes > BATCH_LIMIT:
                 out[d] = self._read(d)
             else:
@@ -316,6 +388,8 @@ class Remote:
         for d, data in out.items():
             if Digest.of(data) != d:
                 raise RemoteError(f"blob {d} failed verification")
+            if cache is not None:
+                cache.put(d, data)
         return out
 
     def _batch_read(self, batch: list[Digest]) -> dict[Digest, bytes]:
@@ -330,6 +404,7 @@ class Remote:
             if r.status.code != 0:
                 raise RemoteError(f"BatchReadBlobs: blob {r.digest.hash}: code {r.status.code}: {r.status.message}")
             out[from_proto(r.digest)] = r.data
+            self.bytes_downloaded += len(r.data)
         if len(out) != len(batch):
             raise RemoteError("BatchReadBlobs: incomplete answer")
         return out
@@ -343,4 +418,6 @@ class Remote:
             parts = [r.data for r in reads]
         except grpc.RpcError as e:
             raise RemoteError(f"ByteStream.Read: {e.code().name}: {e.details()}") from None
-        return b"".join(parts)
+        data = b"".join(parts)
+        self.bytes_downloaded += len(data)
+        return data

@@ -241,6 +241,7 @@ class App:
             raise StartupError(str(e)) from None
         self._closers.append(stack.aclose)
         self.metrics.watch_object_tier(stack.object_tier_stats)
+        self.metrics.watch_chunking(stack.chunks.stats if stack.chunks is not None else None)
         return stack
 
     def _banner(self) -> None:

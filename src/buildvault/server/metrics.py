@@ -265,6 +265,36 @@ class _ObjectTierCollector:
                                       value=float(uploaded))  # fmt: skip
 
 
+class _ChunkingCollector:
+    """Dedup at rest (storage/chunks), read from `ChunkedBlobStore.stats()` at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterable[Any]:
+        source = self._metrics.chunking_stats
+        if source is None:
+            return []
+        s = source()
+        p = f"{PREFIX}_chunked"
+        return [
+            CounterMetricFamily(
+                f"{p}_logical_bytes", "Bytes of blobs stored as chunks (as clients see them).", value=s["logical_bytes"]
+            ),
+            CounterMetricFamily(
+                f"{p}_stored_bytes", "Chunk bytes those blobs added to the store (new chunks only).",
+                value=s["stored_bytes"],
+            ),  # fmt: skip
+            GaugeMetricFamily(
+                f"{p}_dedup_ratio", "Logical bytes per stored byte of the chunked blobs (1: nothing shared).",
+                value=s["dedup_ratio"],
+            ),  # fmt: skip
+        ]
+
+
 class _ExecutionCollector:
     """Remote execution, read from `ExecutionRuntime.status()` at scrape time; nothing without it."""
 
@@ -411,6 +441,8 @@ class Metrics:
         r.register(_ObjectTierCollector(self))
         self.execution_status: Callable[[], dict[str, Any]] | None = None
         r.register(_ExecutionCollector(self))
+        self.chunking_stats: Callable[[], dict[str, float]] | None = None
+        r.register(_ChunkingCollector(self))
         # Plain tallies for /status (reading Counter values back is not public API).
         self._hits = {"grpc": 0, "http": 0}
         # (metric, label values) -> the labelled child. labels() takes a lock and builds its key on
@@ -498,6 +530,10 @@ class Metrics:
     def watch_object_tier(self, stats: Callable[[], Any] | None) -> None:
         """Collect the S3/OBS tier's metrics from `stats()` (ObjectTier.stats) at every scrape."""
         self.object_tier_stats = stats
+
+    def watch_chunking(self, stats: Callable[[], dict[str, float]] | None) -> None:
+        """Collect dedup at rest's figures from `stats()` (ChunkedBlobStore.stats) at every scrape."""
+        self.chunking_stats = stats
 
     def watch_execution(self, status: Callable[[], dict[str, Any]] | None) -> None:
         """Collect remote execution's metrics from `status()` (ExecutionRuntime.status) at every scrape."""

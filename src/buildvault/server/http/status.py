@@ -57,8 +57,10 @@ class StatusPages:
         s = self.metrics.storage
         counts = self.metrics.ac_counts()
         execution = self.metrics.execution_status  # remote execution: its own section, when on
+        chunking = self.metrics.chunking_stats  # dedup at rest: its figures, when on
         return {
             **({"execution": execution()} if execution is not None else {}),
+            **({"chunking": chunking()} if chunking is not None else {}),
             "version": self.version,
             "uptime_seconds": round(self.metrics.uptime_seconds, 3),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.metrics.started)),
@@ -175,6 +177,13 @@ def render_html(doc: dict[str, Any], charts_html: str = "") -> str:
             ("Assets stored", _count(assets["stored"])),
             ("Asset fetches", _count(sum(assets["fetches"].values()))),
             ("Asset hit ratio", f"{100.0 * asset_ratio:.1f}%" if asset_ratio is not None else "–"),
+        ]
+    chunking = doc.get("chunking")
+    if chunking is not None:
+        rows += [
+            ("Chunked blobs, logical", _human_bytes(chunking["logical_bytes"])),
+            ("Chunked blobs, stored", _human_bytes(chunking["stored_bytes"])),
+            ("Dedup ratio", f"{chunking['dedup_ratio']:.2f}"),
         ]
     rows += _execution_rows(doc.get("execution"))
     body = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)

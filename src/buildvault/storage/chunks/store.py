@@ -72,6 +72,15 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self.logical_bytes = 0
         self.stored_chunk_bytes = 0
 
+    def stats(self) -> dict[str, float]:
+        """Since this process started: bytes of blobs kept chunked, the chunk bytes they added."""
+        stored = self.stored_chunk_bytes
+        return {
+            "logical_bytes": float(self.logical_bytes),
+            "stored_bytes": float(stored),
+            "dedup_ratio": self.logical_bytes / stored if stored else 1.0,
+        }
+
     # -- chunk lists ---------------------------------------------------------------------------
 
     async def chunk_list(self, digest: Digest) -> list[Digest] | None:
