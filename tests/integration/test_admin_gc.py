@@ -351,8 +351,9 @@ def test_gc_handles_keys_outside_the_layout(s3_endpoint: str, bucket: str, capsy
     instance_blobs = [s.blob(40 * DAY) for _ in range(2)]
     instance_entry = s.put(
         "ac/ac/team-a/sha256/" + "6" * 64,
-        re_pb2.ActionResult(output_files=[re_pb2.OutputFile(path="o", digest=d) for _, d in instance_blobs])
-        .SerializeToString(),
+        re_pb2.ActionResult(
+            output_files=[re_pb2.OutputFile(path="o", digest=d) for _, d in instance_blobs]
+        ).SerializeToString(),
         1 * DAY,
     )
     other = s.put("zzz/not-a-cache-key", b"left alone", 40 * DAY)
@@ -378,3 +379,27 @@ def test_gc_bad_bucket_and_bad_input_change_nothing(
     code = cli.main(["gc", "--s3-endpoint", s3_endpoint])
     assert code == 2 and "--s3-bucket" in capsys.readouterr().err
     assert bucket_keys(s3_endpoint, bucket) == before
+
+
+def test_gc_keeps_the_chunks_of_a_kept_blob_and_drops_an_unreferenced_list(
+    s3_endpoint: str, bucket: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = Seeder(bucket)
+
+    def chunked_blob(age: datetime.timedelta) -> tuple[set[str], re_pb2.Digest]:
+        """A blob kept as chunks (storage/chunks): its chunks' objects and its list, no whole object."""
+        chunks = [s.blob(age) for _ in range(3)]
+        whole = b"".join(os.urandom(1) for _ in range(8))
+        digest = re_pb2.Digest(hash=hashlib.sha256(whole).hexdigest(), size_bytes=sum(d.size_bytes for _, d in chunks))
+        listed = re_pb2.SplitBlobResponse(chunk_digests=[d for _, d in chunks])
+        key = s.put(f"ac/chunks/sha256/{digest.hash}", listed.SerializeToString(), age)
+        return {key, *(k for k, _ in chunks)}, digest
+
+    kept_keys, kept = chunked_blob(40 * DAY)
+    entry = s.entry([kept], 1 * DAY)  # a fresh entry names the chunked blob
+    orphan_keys, _ = chunked_blob(40 * DAY)  # nothing names this one
+    code, plan = _gc(s3_endpoint, bucket, "--max-age", "30d", capsys=capsys)
+    assert code == 0, plan
+    keys = bucket_keys(s3_endpoint, bucket)
+    assert {entry, *kept_keys} <= keys
+    assert not orphan_keys & keys

@@ -39,6 +39,9 @@ from buildvault.remote_apis import re_pb2
 pytestmark = pytest.mark.timeout(300)
 
 MiB = 1 << 20
+# Large blobs stay whole objects, so the tests can name their bucket keys (chunked blobs are
+# their chunks' objects plus a list: tests/integration/test_grpc_chunking.py).
+WHOLE = ("--chunking-threshold", "1GiB")
 T = TypeVar("T")
 # Longest a request may take while the bucket is slow or failing: the request budget (0.3 s by
 # default) plus local work on a loaded machine, well under the injected 2 s latency.
@@ -116,7 +119,9 @@ async def test_bucket_fault_is_invisible_to_a_build(fault, s3, proxy, buildvault
     raw_client(s3.endpoint).put_object(Bucket=bucket, Key=ac_key(earlier_action), Body=entry)
 
     budget = "0.3"  # the default: what this test is about
-    server = buildvault_server_factory("b", extra_args=tier_args(proxy.endpoint, bucket, "--s3-request-budget", budget))
+    server = buildvault_server_factory(
+        "b", extra_args=tier_args(proxy.endpoint, bucket, "--s3-request-budget", budget, *WHOLE)
+    )
     built = [os.urandom(1000 + i) for i in range(20)]
     big = os.urandom(2 * MiB + 7)
     timed = Timed()

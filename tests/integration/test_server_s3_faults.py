@@ -34,6 +34,9 @@ s3 = s3_server.s3
 pytestmark = pytest.mark.timeout(240)
 
 MiB = 1 << 20
+# Large blobs stay whole objects, so the tests can name their bucket keys (chunked blobs are
+# their chunks' objects plus a list: tests/integration/test_grpc_chunking.py).
+WHOLE = ("--chunking-threshold", "1GiB")
 
 
 @contextlib.asynccontextmanager
@@ -84,7 +87,7 @@ def assert_in_bucket(endpoint: str, bucket: str, datas: list[bytes]) -> None:
 
 
 def start_tier_server(factory, name, s3, bucket, *extra):
-    return factory(name, extra_args=tier_args(s3.endpoint, bucket, *extra))
+    return factory(name, extra_args=tier_args(s3.endpoint, bucket, *WHOLE, *extra))
 
 
 async def test_bucket_outage_writes_succeed_and_journal_drains_after_restart(s3, buildvault_server_factory):
@@ -169,9 +172,7 @@ async def test_corrupt_object_in_bucket_is_never_served(s3, buildvault_server_fa
 
     consumer = start_tier_server(buildvault_server_factory, "consumer", s3, bucket)  # empty disk
     async with connect(consumer) as stubs:
-        reply = await stubs.cas.BatchReadBlobs(
-            re_pb2.BatchReadBlobsRequest(digests=[digest(small), digest(short)])
-        )
+        reply = await stubs.cas.BatchReadBlobs(re_pb2.BatchReadBlobsRequest(digests=[digest(small), digest(short)]))
         assert [r.status.code for r in reply.responses] == [grpc.StatusCode.NOT_FOUND.value[0]] * 2
         assert all(r.data == b"" for r in reply.responses)
         for data in (big, small, short):
@@ -328,10 +329,10 @@ async def test_hung_bucket_holds_up_neither_writes_nor_shutdown(s3, buildvault_s
     with contextlib.ExitStack() as outage:
         if when == "from the start":
             hung = outage.enter_context(HungEndpoint())
-            args = tier_args(hung.endpoint, bucket, "--s3-request-budget", "1")  # start-up waits on it
+            args = tier_args(hung.endpoint, bucket, "--s3-request-budget", "1", *WHOLE)  # start-up waits on it
             server = buildvault_server_factory("a", extra_args=args)
         else:
-            server = buildvault_server_factory("a", extra_args=tier_args(s3.endpoint, bucket))
+            server = buildvault_server_factory("a", extra_args=tier_args(s3.endpoint, bucket, *WHOLE))
             assert server_metric(server, "buildvault_object_store_up") == 1
             s3.freeze()
             outage.callback(s3.thaw)
@@ -351,7 +352,7 @@ async def test_hung_bucket_holds_up_neither_writes_nor_shutdown(s3, buildvault_s
         assert server.stop(timeout=60) == 0
         assert time.monotonic() - started < 15, "shutdown waited for calls stuck on the bucket"
 
-    server.extra_args = tier_args(s3.endpoint, bucket)  # the bucket is back: nothing was lost
+    server.extra_args = tier_args(s3.endpoint, bucket, *WHOLE)  # the bucket is back: nothing was lost
     server.start()
     wait_drained(server.http_address)
     assert_in_bucket(s3.endpoint, bucket, data)

@@ -18,7 +18,9 @@ In order, so that an interrupted run leaves every remaining action entry complet
 
 Remote Asset entries (kind `asset`, buildvault.assets.index) are ActionResults too: their blobs
 are kept like an `ac` entry's. Entries of other kinds (`raw`: ccache's opaque entries) reference
-no blob and only age out.
+no blob and only age out. Chunk lists (kind `chunks`, storage/chunks) never age out: a list is
+kept, with every chunk it names, while its blob is referenced, and goes like an unreferenced blob
+otherwise.
 `--dry-run` deletes nothing and reports what would go.
 """
 
@@ -45,6 +47,8 @@ READ_THREADS = 16
 # times as long: 16 at once made pages run past the read timeout on a loaded machine.
 LIST_THREADS = 4
 GcError = BucketError  # gc cannot run; the message names the setting
+# Chunk lists of blobs kept as chunks (storage/chunks): not aged out, kept while their blob is.
+CHUNK_LISTS = "ac/chunks/"
 @dataclass
 class Plan:
     """What gc decided (and, unless a dry run, did)."""
@@ -121,6 +125,25 @@ def entry_references(bucket: Bucket, entry: Obj) -> set[str]:
     return {k for k in keys if k is not None}
 
 
+def _listed_blob_key(prefix: str, chunk_list: Obj) -> str:
+    """`ac/chunks/<fn>/<hash>` -> `cas/<fn>/<hash>`: the blob the list makes."""
+    function, hash = chunk_list.key[len(prefix) :].split("/")[-2:]
+    return f"{prefix}cas/{function}/{hash}"
+
+
+def chunk_references(bucket: Bucket, chunk_list: Obj) -> set[str]:
+    """Blob keys of the chunks a chunk list (storage/chunks: a SplitBlobResponse) names."""
+    function = chunk_list.key[len(bucket.prefix) :].split("/")[-2]
+    data = bucket.get(chunk_list.key)
+    if data is None:
+        return set()
+    try:
+        message = re_pb2.SplitBlobResponse.FromString(data)
+    except DecodeError:
+        return set()
+    return {k for k in (_blob_key(bucket.prefix, function, d) for d in message.chunk_digests) if k is not None}
+
+
 def _references(bucket: Bucket, entries: Iterable[Obj], pool: ThreadPoolExecutor, advance: Advance) -> set[str]:
     found: set[str] = set()
     for keys in pool.map(lambda e: entry_references(bucket, e), entries):
@@ -143,18 +166,20 @@ def collect(
     plan = Plan()
     with ThreadPoolExecutor(READ_THREADS) as pool, ThreadPoolExecutor(LIST_THREADS) as lister:
         with progress("listing", None, show_progress) as advance:
-            entries, blobs = [], []
+            entries, blobs, lists = [], [], []
             for objects in bucket.objects_split("", lister):
                 advance(len(objects))
                 for obj in objects:
                     relative = obj.key[len(bucket.prefix) :]
-                    if relative.startswith("ac/"):
+                    if relative.startswith(CHUNK_LISTS):
+                        lists.append(obj)
+                    elif relative.startswith("ac/"):
                         entries.append(obj)
                     elif relative.startswith("cas/"):
                         blobs.append(obj)
         plan.list_seconds = time.perf_counter() - started
-        plan.objects = len(entries) + len(blobs)
-        plan.total_bytes = sum(o.size for o in entries) + sum(o.size for o in blobs)
+        plan.objects = len(entries) + len(blobs) + len(lists)
+        plan.total_bytes = sum(o.size for o in entries) + sum(o.size for o in blobs) + sum(o.size for o in lists)
         listed_at = now()
         cutoff = listed_at - max_age if max_age is not None else None
         indexes = [e.key for e in entries if is_pin_index(e.key[len(bucket.prefix) :])]
@@ -173,6 +198,12 @@ def collect(
         fresh = [e for objects in bucket.objects_split("ac/", lister) for e in objects if seen.get(e.key) != e.modified]
         with progress("reading new entries", len(fresh), show_progress) as advance:
             referenced |= _references(bucket, fresh, pool, advance)
+        # A blob kept as chunks: its list is kept, and so is every chunk the list names. A list
+        # whose blob nothing references goes like an unreferenced blob.
+        needed = [c for c in lists if _listed_blob_key(bucket.prefix, c) in referenced]
+        referenced |= {c.key for c in needed}
+        referenced |= {k for keys in pool.map(lambda c: chunk_references(bucket, c), needed) for k in keys}
+        blobs += lists
     plan.read_seconds = time.perf_counter() - reading
     plan.referenced_blobs = sum(1 for b in blobs if b.key in referenced)
     young = listed_at - grace
