@@ -319,40 +319,29 @@ class ActionCache:
         """The stored result, if complete; NotFound otherwise. `counted`: a client's lookup (a hit
         or a miss in the metrics)."""
         verify_instance_name(instance_name)
-        if not counted:
-            return await self._get(instance_name, action_digest, inline_stdout, inline_stderr, inline_output_files)
         try:
-            result = await self._get(instance_name, action_digest, inline_stdout, inline_stderr, inline_output_files)
+            data = await self.actions.get(ac_namespace(instance_name), action_digest)
+            try:
+                result = re_pb2.ActionResult.FromString(data)
+            except DecodeError:
+                raise NotFound(f"action result for {action_digest} is unreadable") from None
+            function = action_digest.function
+            try:
+                missing = await self.missing_blobs(result, function)
+            except (InvalidDigest, InvalidActionResult) as e:
+                raise NotFound(f"action result for {action_digest} is not usable: {e}") from None
+            if missing:
+                raise NotFound(
+                    f"action result for {action_digest} references {len(missing)} blob(s) no longer in the CAS, "
+                    f"e.g. {missing[0]}"
+                )
+            await self._inline(result, function, inline_stdout, inline_stderr, frozenset(inline_output_files))
         except NotFound:
-            self._count(False)
+            if counted:
+                self._count(False)
             raise
-        self._count(True)
-        return result
-
-    async def _get(
-        self,
-        instance_name: str,
-        action_digest: Digest,
-        inline_stdout: bool,
-        inline_stderr: bool,
-        inline_output_files: Iterable[str],
-    ) -> re_pb2.ActionResult:
-        data = await self.actions.get(ac_namespace(instance_name), action_digest)
-        try:
-            result = re_pb2.ActionResult.FromString(data)
-        except DecodeError:
-            raise NotFound(f"action result for {action_digest} is unreadable") from None
-        function = action_digest.function
-        try:
-            missing = await self.missing_blobs(result, function)
-        except (InvalidDigest, InvalidActionResult) as e:
-            raise NotFound(f"action result for {action_digest} is not usable: {e}") from None
-        if missing:
-            raise NotFound(
-                f"action result for {action_digest} references {len(missing)} blob(s) no longer in the CAS, "
-                f"e.g. {missing[0]}"
-            )
-        await self._inline(result, function, inline_stdout, inline_stderr, frozenset(inline_output_files))
+        if counted:
+            self._count(True)
         return result
 
     async def _inline(
