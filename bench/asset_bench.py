@@ -15,7 +15,8 @@ without one under /chunked/). Prints one JSON line per measurement, then a markd
 - `download`: a fresh `--size` asset (Content-Length and a sha256: streamed straight into the
   store) and `download_chunked` (no Content-Length: through the spool file), MiB/s and the
   server's peak anonymous memory (VmRSS less RssFile, sampled every 20 ms) during the fetch,
-  beside `curl` of the same file to /dev/null and to a file on the same disk.
+  beside `curl` of the same file to /dev/null and to a file on the same disk, and
+  `bytestream_write`: the store's own rate for the same size (a ByteStream Write, 1 MiB chunks).
 Not a timed test; numbers go to bench/RESULTS.md.
 """
 
@@ -169,6 +170,37 @@ async def download(address: str, url: str, digest: bytes, size: int, pid: int, n
     }
 
 
+async def bytestream_write(address: str, path: Path, size: int) -> dict[str, object]:
+    """The store's own rate for the same size: a ByteStream Write of the file in 1 MiB chunks."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            hasher.update(block)
+    name = f"uploads/{os.urandom(8).hex()}/blobs/{hasher.hexdigest()}/{size}"
+
+    async def requests():
+        with open(path, "rb") as f:
+            offset = 0
+            while block := f.read(1 << 20):
+                yield bs_pb2.WriteRequest(
+                    resource_name=name if offset == 0 else "",
+                    write_offset=offset,
+                    data=block,
+                    finish_write=offset + len(block) == size,
+                )
+                offset += len(block)
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        started = time.perf_counter()
+        await bs_grpc.ByteStreamStub(channel).Write(requests())
+        seconds = time.perf_counter() - started
+    return {
+        "scenario": "bytestream_write",
+        "seconds": round(seconds, 3),
+        "mib_per_s": round(size / seconds / (1 << 20), 1),
+    }
+
+
 def write_random(path: Path, size: int) -> bytes:
     """A file of fresh random bytes (no server can answer from an earlier run); its SHA-256."""
     hasher = hashlib.sha256()
@@ -245,6 +277,8 @@ def main() -> int:
                         )
                     )
                 )
+                write_random(chunked, size)  # fresh bytes again: the same write through ByteStream
+                rows.append(asyncio.run(bytestream_write(server.address, chunked, size)))
                 chunked.unlink()
         finally:
             stop(server)
