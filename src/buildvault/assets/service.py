@@ -139,7 +139,7 @@ class Assets:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._download(request, timeout))
             self._inflight[key] = task
-            task.add_done_callback(lambda _t: self._inflight.pop(key, None))
+            task.add_done_callback(lambda done: self._finished(key, done))
         # A caller that goes away does not cancel the download others (or a retry) wait for.
         return await asyncio.shield(task)
 
@@ -155,6 +155,11 @@ class Assets:
                 return None
             found = found or entry
         return found
+
+    def _finished(self, key: tuple[object, ...], task: asyncio.Task[Found]) -> None:
+        self._inflight.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a download whose callers all went away fails quietly
 
     def _reader_may_download(self, request: AssetRequest) -> bool:
         if self.reader_downloads == "always":
