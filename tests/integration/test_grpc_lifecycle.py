@@ -290,8 +290,15 @@ async def test_second_stream_on_an_attached_upload_is_aborted(app_server):
 
 async def test_unimplemented_methods(app_server):
     stubs = app_server.stubs
+    # SplitBlob is served (REAPI v2.12 chunking, tests/integration/test_grpc_chunking.py): an absent blob is NOT_FOUND.
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stubs.cas.SplitBlob(re_pb2.SplitBlobRequest(blob_digest=digest(b"x")))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # A method no service offers is UNIMPLEMENTED.
+    async with grpc.aio.insecure_channel(app_server.grpc_address) as channel:
+        call = channel.unary_unary("/build.bazel.remote.execution.v2.ContentAddressableStorage/NoSuchMethod")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call(b"")
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
