@@ -108,3 +108,41 @@ def test_remote_execution_a_header_change_is_named_and_the_action_shows_worker_a
     assert "<h3>Execution</h3>" in text and "worker" in text
     assert re.search(r"<td><code>[^<]+</code></td>", text.split("<h3>Execution</h3>")[1])  # the worker's name
     assert ">lib/</a>" in text or ">bazel-out/</a>" in text  # the input tree, browsable
+
+
+OK_TEST = "#!/bin/sh\necho the-test-log-line\n"
+COVERAGE_STUB_BUILD = '''
+package(default_visibility = ["//visibility:public"])
+sh_binary(name = "coverage_report_generator", srcs = ["noop.sh"])
+sh_binary(name = "lcov_merger", srcs = ["noop.sh"])
+'''
+
+
+def test_bes_streams_the_invocation_with_its_test_log(bazel_workspace_factory, server) -> None:
+    ws = bazel_workspace_factory("bes")
+    ws.write_file("extra/BUILD", 'sh_test(name = "ok_test", srcs = ["ok_test.sh"])\n')
+    ws.write_file("extra/ok_test.sh", OK_TEST).chmod(0o755)
+    # Offline `bazel test` needs @remote_coverage_tools: no-op coverage tools.
+    ws.write_file("third_party/coverage_stub/WORKSPACE", "")
+    ws.write_file("third_party/coverage_stub/BUILD", COVERAGE_STUB_BUILD)
+    ws.write_file("third_party/coverage_stub/noop.sh", "#!/bin/sh\nexit 0\n").chmod(0o755)
+    workspace = (ws.path / "WORKSPACE").read_text()
+    ws.write_file("WORKSPACE", workspace + '\nlocal_repository(name = "remote_coverage_tools", '
+                  'path = "third_party/coverage_stub")\n')  # fmt: skip
+    results = f"http://{server.http_address}/invocation/"
+    result = ws.run("test", f"--remote_cache=grpc://{server.grpc_address}", f"--bes_backend=grpc://{server.grpc_address}",
+                    f"--bes_results_url={results}", "--", "//extra:ok_test", "//app:hello").check()  # fmt: skip
+    link = re.search(re.escape(results) + r"([0-9a-f-]{36})", result.output)
+    assert link is not None, result.output[-3000:]
+    invocation = link.group(1)
+    summary = result.processes
+    wait_for(lambda: counts(server, invocation) == (summary.cache_hits, summary.executed), 30,
+             f"the page's counts to match Bazel's {summary.line!r}")  # fmt: skip
+    text = page(server, f"/invocation/{invocation}")
+    assert "test //extra:ok_test //app:hello" in text
+    assert "(exit code 0 SUCCESS)" in text
+    assert "<code>//app:hello</code></td><td>built" in text
+    assert "<code>//extra:ok_test</code></td><td>PASSED" in text
+    log = re.search(r'test\.log: <a class="log" href="([^"]+)"', text)
+    assert log is not None, text
+    assert "the-test-log-line" in page(server, html.unescape(log.group(1)))

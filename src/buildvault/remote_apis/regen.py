@@ -51,6 +51,10 @@ PROTOS: tuple[str, ...] = (
     "buildvault/remote_apis/build/bazel/remote/execution/v2/remote_execution.proto",
     "buildvault/remote_apis/build/bazel/remote/asset/v1/remote_asset.proto",
     "buildvault/remote_apis/google/bytestream/bytestream.proto",
+    "buildvault/remote_apis/google/devtools/build/v1/build_status.proto",
+    "buildvault/remote_apis/google/devtools/build/v1/build_events.proto",
+    "buildvault/remote_apis/google/devtools/build/v1/publish_build_event.proto",
+    "buildvault/remote_apis/build_event_stream/build_event_stream.proto",
 )
 
 #: Suffixes protoc emits for each .proto (python, pyi stub, grpc plugin).

@@ -31,6 +31,7 @@ __all__ = ["caller_may", "checked", "rule_of"]
 _RE = "/build.bazel.remote.execution.v2."
 _RA = "/build.bazel.remote.asset.v1."
 _BS = "/google.bytestream.ByteStream/"
+_BES = "/google.devtools.build.v1.PublishBuildEvent/"
 _OPEN_PREFIX = "/grpc.health.v1.Health/"
 
 # method -> (permission, where the instance name is): "field" (request.instance_name),
@@ -54,6 +55,9 @@ _RULES: dict[str, tuple[Permission, str | None]] = {
     _BS + "Read": (Permission.READ, "read"),
     _BS + "Write": (Permission.WRITE, "write"),
     _BS + "QueryWriteStatus": (Permission.WRITE, "write"),
+    # Build events: write on some instance here; the service checks the one `project_id` names.
+    _BES + "PublishLifecycleEvent": (Permission.WRITE, None),
+    _BES + "PublishBuildToolEventStream": (Permission.WRITE, None),
 }
 _CAPABILITIES = _RE + "Capabilities/GetCapabilities"
 # Writes of entries (not of content-addressed blobs) go to the audit log once they succeed.

@@ -14,6 +14,7 @@ from buildvault.server.auth.health import add_health_service
 from buildvault.server.auth.tls import TlsError
 from buildvault.server.grpc import server_options
 from buildvault.server.grpc.action_cache import ActionCacheService
+from buildvault.server.grpc.build_events import add_build_event_service
 from buildvault.server.grpc.bytestream import ByteStreamService
 from buildvault.server.grpc.capabilities import CapabilitiesService
 from buildvault.server.grpc.cas import CasService
@@ -93,6 +94,7 @@ class GrpcListener:
         if s.assets is not None:
             _add_fetch(FetchService(s.assets, auth), server)
             _add_push(PushService(s.assets, auth), server)
+        add_build_event_service(server, s.history, auth)  # Bazel's --bes_backend (the build pages)
         await add_health_service(server, list(_SERVICE_NAMES))
         host, _, _ = self.requested.rpartition(":")
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import html
+import re
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -535,6 +536,24 @@ def _utf8_prefix(data: bytes) -> bool:
         return error.start >= len(data) - 3  # a character cut at the end of the sample
 
 
+# A blob Bazel names in its build events: bytestream://HOST[:PORT]/[INSTANCE/]blobs/HASH/SIZE
+_BYTESTREAM_URI = re.compile(r"bytestream://[^\s/]+/(?:[^\s]*/)?blobs/([0-9a-f]{64})/(\d+)")
+
+
+def _linked(detail: str, instance: str) -> str:
+    """A build event's detail, escaped, each line's `name: bytestream://…/blobs/H/S` a download."""
+    lines = []
+    for line in detail.split("\n"):
+        name, sep, rest = line.partition(": ")
+        match = _BYTESTREAM_URI.fullmatch(rest.strip()) if sep else None
+        if match is None:
+            lines.append(e(line))
+            continue
+        url = f"/blob/{match.group(1)}-{match.group(2)}/{quote(name or 'log', safe='')}{_q(instance=instance)}"
+        lines.append(f'{e(name)}: <a class="log" href="{e(url)}">{e(rest.strip())}</a>')
+    return "\n".join(lines)
+
+
 def _code_marks(sentence: str) -> str:
     """A finding with its `quoted` names as <code> (escaped first)."""
     pieces = e(sentence).split("`")
@@ -614,8 +633,10 @@ def _render_invocation(summary: InvocationSummary, rows: list[Row], events: list
                   e(r.method), e(r.code)] for r in failed]  # fmt: skip
         parts.append("<h2>Failed calls</h2>" + _table(("action", "mnemonic", "target", "call", "status"), frows))
     if events:
-        erows = [[e(kind), f"<code>{e(label)}</code>", e(status), f"<pre>{e(detail)}</pre>" if detail else ""]
-                 for _, kind, label, status, detail in events]  # fmt: skip
+        erows = [
+            [e(kind), f"<code>{e(label)}</code>", e(status), f"<pre>{_linked(d, instance)}</pre>" if d else ""]
+            for _, kind, label, status, d in events
+        ]
         parts.append("<h2>Build events</h2>" + _table(("event", "label", "status", "detail"), erows, "events"))
     mrows2 = []
     for key, r in misses.items():

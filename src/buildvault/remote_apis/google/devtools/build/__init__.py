@@ -1,0 +1,1 @@
+"""Generated protobuf package (see buildvault.remote_apis.regen)."""
