@@ -7,7 +7,8 @@ ActionResult, so `buildvault gc` reads the blobs it references like an `ac` entr
 
 - a blob: `output_files[0]` (path `asset`) is the blob;
 - a directory: `output_directories[0]` holds the root Directory digest and a Tree blob of the
-  whole tree (written at push), so gc keeps every file of it;
+  whole tree (written at push), so gc keeps every file of it; `output_files` (paths `dirs/N`)
+  name the other Directory blobs, which GetTree of the root needs and a Tree does not name;
 - `execution_metadata.queued_timestamp` is when the content was fetched or pushed (what
   `oldest_content_accepted` is compared with); `auxiliary_metadata[0]` packs a
   FetchBlobResponse / FetchDirectoryResponse with the URI, the qualifiers (never credentials)
@@ -71,6 +72,7 @@ class Entry:
     qualifiers: tuple[tuple[str, str], ...]
     expires_at: float | None = None
     tree: Digest | None = None
+    subdirectories: tuple[Digest, ...] = ()  # a directory's Directory blobs below the root
 
     @property
     def is_directory(self) -> bool:
@@ -107,6 +109,10 @@ class Entry:
                     digest_function=function.proto,
                 )
             )
+            result.output_files.extend(
+                re_pb2.OutputFile(path=f"dirs/{i}", digest=d.to_proto(re_pb2.Digest))
+                for i, d in enumerate(self.subdirectories)
+            )
             result.output_directories.append(
                 re_pb2.OutputDirectory(
                     path=_PATH,
@@ -138,7 +144,7 @@ class Entry:
                     tuple((q.name, q.value) for q in blob.qualifiers),
                     blob.expires_at.ToNanoseconds() / 1e9 if blob.HasField("expires_at") else None,
                 )
-            if len(result.output_directories) == 1 and not result.output_files:
+            if len(result.output_directories) == 1:
                 directory = ra_pb2.FetchDirectoryResponse()
                 if not aux.Unpack(directory):
                     return None
@@ -150,6 +156,7 @@ class Entry:
                     tuple((q.name, q.value) for q in directory.qualifiers),
                     directory.expires_at.ToNanoseconds() / 1e9 if directory.HasField("expires_at") else None,
                     Digest.from_proto(out.tree_digest, function),
+                    tuple(Digest.from_proto(f.digest, function) for f in result.output_files),
                 )
         except (DecodeError, ValueError):
             return None
@@ -197,7 +204,7 @@ class AssetIndex:
                 continue
             if oldest is not None and entry.stored_at < oldest:
                 continue
-            needed = [entry.digest] + ([entry.tree] if entry.tree is not None else [])
+            needed = [entry.digest, *([entry.tree] if entry.tree is not None else []), *entry.subdirectories]
             try:
                 if await self.blobs.find_missing(needed):
                     continue

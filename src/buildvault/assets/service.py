@@ -37,7 +37,7 @@ __all__ = ["MAX_PUSHED_DIRECTORIES", "READER_DOWNLOADS", "Assets", "CountingReco
 log = logging.getLogger("buildvault.assets")
 
 READER_DOWNLOADS = ("never", "checksum", "always")
-MAX_PUSHED_DIRECTORIES = 100_000
+MAX_PUSHED_DIRECTORIES = 10_000  # each is named in the entry (about 80 bytes)
 _BATCH = 500
 
 
@@ -265,12 +265,21 @@ class Assets:
         directories, missing = await self._walk(root)
         if missing:
             raise MissingBlobs(missing)
-        tree = re_pb2.Tree(root=directories[0], children=directories[1:])
+        tree = re_pb2.Tree(root=directories[0][1], children=[d for _, d in directories[1:]])
         data = tree.SerializeToString()
         tree_digest = Digest.of(data, root.function)
         await self.index.blobs.write(tree_digest, single_chunk(data))
         await self._record(
-            request, Entry(root, self.clock(), request.uris[0], tuple(request.qualifiers()), expire_at, tree_digest)
+            request,
+            Entry(
+                root,
+                self.clock(),
+                request.uris[0],
+                tuple(request.qualifiers()),
+                expire_at,
+                tree_digest,
+                tuple(d for d, _ in directories[1:]),
+            ),
         )
 
     async def _record(self, request: AssetRequest, entry: Entry) -> None:
@@ -279,9 +288,9 @@ class Assets:
         self.recorder.asset_indexed()
         log.info("asset pushed for %s: %s", ", ".join(sorted({_host(u) for u in request.uris})), entry.digest)
 
-    async def _walk(self, root: Digest) -> tuple[list[re_pb2.Directory], list[Digest]]:
+    async def _walk(self, root: Digest) -> tuple[list[tuple[Digest, re_pb2.Directory]], list[Digest]]:
         blobs = self.index.blobs
-        directories: list[re_pb2.Directory] = []
+        directories: list[tuple[Digest, re_pb2.Directory]] = []  # the root first
         missing: list[Digest] = []
         files: set[Digest] = set()
         seen: set[Digest] = {root}
@@ -298,7 +307,7 @@ class Assets:
                     directory = re_pb2.Directory.FromString(data)
                 except DecodeError:
                     raise InvalidAssetRequest([("root_directory_digest", f"{digest} is not a Directory")]) from None
-                directories.append(directory)
+                directories.append((digest, directory))
                 if len(directories) > MAX_PUSHED_DIRECTORIES:
                     raise InvalidAssetRequest(
                         [("root_directory_digest", f"more than {MAX_PUSHED_DIRECTORIES} directories")]
