@@ -238,7 +238,11 @@ async def test_too_many_redirects_and_allow_list_and_origins_none(tmp_path, orig
         assert hit.blob_digest == digest(b"f")
 
 
-async def test_credentials_go_only_to_their_origin(tmp_path, origin):
+async def test_credentials_go_only_to_their_origin_and_logs_name_hosts_only(tmp_path, origin, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="buildvault.assets")
+    caplog.set_level(logging.DEBUG, logger="buildvault.request")  # last: the capture handler's level too
     origin.files["/private.tgz"] = b"private"
     origin.redirects["/moved"] = origin.url("/private.tgz", host="localhost")
     auth = json.dumps({origin.url("/private.tgz"): {"Authorization": "Bearer s3cret"}})
@@ -265,6 +269,10 @@ async def test_credentials_go_only_to_their_origin(tmp_path, origin):
         )
         assert origin.headers_seen["/moved2"]["X-Token"] == "t0k"
         assert "X-Token" not in origin.headers_seen["/private2.tgz"]  # another origin: dropped
+    logged = "\n".join(str(vars(record)) for record in caplog.records)
+    assert f"127.0.0.1:{origin.port}" in logged and "FetchBlob" in logged
+    for secret in ("s3cret", "t0k", "/private.tgz", "/moved", "Authorization"):
+        assert secret not in logged, secret
 
 
 async def test_a_slow_origin_is_cut_at_the_timeout(tmp_path, origin):
