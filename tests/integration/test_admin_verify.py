@@ -13,10 +13,12 @@ only those that match their digest.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from s3_server import REGION, raw_client, tier_args, wait_drained
 
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
+from buildvault.storage.chunks.chunker import ChunkingParams, cut
 from buildvault.storage.disk.layout import AcKeys, cas_key
 
 # Fixtures bound by assignment: a parameter requesting one is no redefinition to the linter.
@@ -184,3 +187,85 @@ def test_repair_refetches_damaged_and_missing_blobs_from_the_bucket(
             output = re_pb2.ActionResult.FromString(response.read()).output_files[0]
         with urllib.request.urlopen(f"{base}/cas/{output.digest.hash}", timeout=10) as response:
             assert response.read() == outputs[name]
+
+
+def _chunk_path(data_dir: Path, chunk: bytes) -> Path:
+    digest = hashlib.sha256(chunk).hexdigest()
+    return data_dir / "cas" / "sha256" / digest[:2] / f"{digest}-{len(chunk)}"
+
+
+def _list_path(data_dir: Path, blob: bytes) -> Path:
+    digest = hashlib.sha256(blob).hexdigest()
+    return data_dir / "records" / "ac" / "chunks" / "@sha256" / digest[:2] / digest
+
+
+def _read(base: str, blob: bytes) -> str:
+    """ "whole", "missing" (404) or "cut" (the server found a chunk gone mid-stream)."""
+    try:
+        with urllib.request.urlopen(f"{base}/cas/{hashlib.sha256(blob).hexdigest()}", timeout=30) as response:
+            assert response.read() == blob  # never other bytes
+            return "whole"
+    except urllib.error.HTTPError as error:
+        assert error.code == 404
+        return "missing"
+    except http.client.IncompleteRead:
+        return "cut"
+
+
+def test_verify_checks_chunk_lists_and_their_chunks(buildvault_server) -> None:
+    """Blobs of at least 2 MiB are kept as chunks plus a list (storage/chunks). An ActionResult
+    naming one is not dangling; a list whose chunk is damaged or missing is dangling and --repair
+    removes it (the damaged chunk too), leaving the lists and chunks the other blobs need."""
+    base = f"http://{buildvault_server.http_address}"
+    data_dir = Path(buildvault_server.data_dir)
+    params = ChunkingParams()
+    kept = os.urandom(3 << 20)
+    sibling = kept[: 2 << 20] + os.urandom(1 << 20)  # shares kept's first chunks
+    damaged = os.urandom(3 << 20)
+    for blob in (kept, sibling, damaged):
+        _put(base, f"/cas/{hashlib.sha256(blob).hexdigest()}", blob)
+    action = hashlib.sha256(b"links kept").hexdigest()
+    result = re_pb2.ActionResult(
+        output_files=[re_pb2.OutputFile(path="out.so", digest=Digest.of(kept).to_proto(re_pb2.Digest))]
+    )
+    _put(base, f"/ac/{action}", result.SerializeToString())
+    chunks = {
+        name: [bytes(c) for c in cut(blob, params)] for name, blob in (("k", kept), ("s", sibling), ("d", damaged))
+    }
+    assert chunks["k"][0] == chunks["s"][0] and chunks["s"][-1] not in chunks["k"]
+    assert all(_chunk_path(data_dir, c).is_file() for c in chunks["k"] + chunks["s"] + chunks["d"])
+
+    code, report = _verify(data_dir)
+    assert code == 0, report
+    assert report["chunk_lists"] == 3 and report["action_entries"] == 4
+    assert report["dangling_entries"] == report["broken_entries"] == report["corrupt_blobs"] == []
+
+    flipped = _chunk_path(data_dir, chunks["d"][1])
+    with open(flipped, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+    _chunk_path(data_dir, chunks["s"][-1]).unlink()
+
+    code, report = _verify(data_dir)
+    assert code == 1, report
+    assert report["corrupt_blobs"] == [str(flipped)]
+    assert sorted(report["dangling_entries"]) == sorted(
+        [str(_list_path(data_dir, sibling)), str(_list_path(data_dir, damaged))]
+    )
+    assert report["broken_entries"] == []
+    assert flipped.is_file()  # nothing changes without --repair
+
+    code, report = _verify(data_dir, "--repair")
+    assert code == 0 and report["removed"] == 3, report
+    code, report = _verify(data_dir)
+    assert code == 0 and report["chunk_lists"] == 1 and report["action_entries"] == 2, report
+    # The server, whose index still lists what was removed behind its back, finds out at the
+    # latest on the first read (cut short, never other bytes) and reports the blob missing next.
+    assert _read(base, kept) == "whole"
+    for blob in (sibling, damaged):
+        assert _read(base, blob) in ("missing", "cut")
+        assert _read(base, blob) == "missing"
+    with urllib.request.urlopen(f"{base}/ac/{action}", timeout=10) as response:
+        assert response.status == 200  # its output, kept as chunks, is whole

@@ -9,6 +9,12 @@ With a bucket configured (`--s3-bucket`, as the server's settings), `--repair` f
 damaged or missing blob again from the bucket (admin/refetch.py: kept only if it matches its
 digest); a dangling entry whose blobs all come back is kept, whole.
 
+Chunk lists (kind `chunks`, storage/chunks: a blob kept as FastCDC chunks) are checked before
+the entries that may name their blobs: every chunk must be present and intact, and the chunks in
+order must hash to the blob the list is for. A list that does not parse, or whose chunks hash to
+another blob, is broken; one naming a missing or damaged chunk is dangling (its blob is missing:
+the server reports it so). An intact list makes its blob present for the ActionResults naming it.
+
 Small blobs and entries are records in LMDB (storage/disk/records.py): they are checked the same
 way, through admin/records.py, and reported by the path their file would have under records/.
 
@@ -40,11 +46,12 @@ from buildvault.admin.refetch import Refetcher, unchanged
 from buildvault.admin.report import emit, human_bytes, progress
 from buildvault.admin.verify_files import BlobFile, Checked, blob_files, blob_is_intact, check_blobs, entry_files
 from buildvault.config import Settings
-from buildvault.digest import DigestFunction
+from buildvault.digest import DigestFunction, new_hasher
 from buildvault.remote_apis import re_pb2
 
 BATCH = 256  # blobs per thread-pool trip
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+CHUNK_LISTS = "chunks"  # the kind of storage/chunks' lists (its namespace's first segment)
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))  # hashlib and blake3 release the GIL
 
 
@@ -57,6 +64,7 @@ class Findings:
     blobs: int = 0
     bytes: int = 0
     entries: int = 0
+    chunk_lists: int = 0  # of the entries: lists of blobs kept as chunks
     corrupt_blobs: list[str] = field(default_factory=list)
     broken_entries: list[str] = field(default_factory=list)
     dangling_entries: list[str] = field(default_factory=list)
@@ -80,6 +88,7 @@ class Findings:
             "blobs": self.blobs,
             "bytes": self.bytes,
             "action_entries": self.entries,
+            "chunk_lists": self.chunk_lists,
             "corrupt_blobs": self.corrupt_blobs,
             "broken_entries": self.broken_entries,
             "dangling_entries": self.dangling_entries,
@@ -175,10 +184,16 @@ def _verify(root: Path, recs: AdminRecords, repair: bool, show_progress: bool, s
     def blob_path(function: DigestFunction, name: str) -> Path:
         return root / "cas" / function.label / name[:2] / name
 
+    # Blobs kept as chunks whose list checked out: `<hash>-<size>` -> the chunks, in order.
+    chunked: dict[tuple[DigestFunction, str], list[re_pb2.Digest]] = {}
+
     def read_blob(function: DigestFunction, digest: re_pb2.Digest) -> bytes | None:
         key = f"{digest.hash}-{digest.size_bytes}"
         if (function, key) not in intact or not _HEX64.fullmatch(digest.hash):
             return None
+        if (function, key) in chunked:
+            parts = [read_blob(function, chunk) for chunk in chunked[(function, key)]]
+            return None if any(part is None for part in parts) else b"".join(parts)  # type: ignore[arg-type]
         if recs.holds(digest.size_bytes):
             return recs.blob(function, digest.hash, digest.size_bytes)
         try:
@@ -217,14 +232,47 @@ def _verify(root: Path, recs: AdminRecords, repair: bool, show_progress: bool, s
                 return True
             checked |= needed
 
+    def check_chunk_list(function: DigestFunction, blob_hash: str, data: bytes) -> str | None:
+        """None if the list is intact (its blob is then present); else "broken" or "dangling"."""
+        try:
+            chunks = list(re_pb2.SplitBlobResponse.FromString(data).chunk_digests)
+        except DecodeError:
+            return "broken"
+        if not chunks or not _HEX64.fullmatch(blob_hash):
+            return "broken"
+        hasher = new_hasher(function)
+        for chunk in chunks:
+            name = f"{chunk.hash}-{chunk.size_bytes}"
+            if chunk.size_bytes <= 0 or not _HEX64.fullmatch(chunk.hash) or not present(function, name):
+                return "dangling"
+            part = read_blob(function, chunk)
+            if part is None:  # removed since it was checked
+                return "dangling"
+            hasher.update(part)
+        if hasher.hexdigest() != blob_hash:
+            return "broken"
+        name = f"{blob_hash}-{sum(chunk.size_bytes for chunk in chunks)}"
+        chunked[(function, name)] = chunks
+        intact[(function, name)] = None
+        return None
+
     entries = list(entry_files(root))
     bad_entries: list[Callable[[], bool]] = []  # each removes one bad entry if it is unchanged
 
-    def check_entry(label: str, kind: str, function: DigestFunction, data: bytes, remove: Callable[[], bool]) -> None:
+    def check_entry(
+        label: str, kind: str, function: DigestFunction, key_hash: str, data: bytes, remove: Callable[[], bool]
+    ) -> None:
         findings.entries += 1
         if not entry_is_intact(kind, data):
             findings.broken_entries.append(label)
             bad_entries.append(remove)
+            return
+        if kind == CHUNK_LISTS:
+            findings.chunk_lists += 1
+            verdict = check_chunk_list(function, key_hash, data)
+            if verdict is not None:
+                (findings.broken_entries if verdict == "broken" else findings.dangling_entries).append(label)
+                bad_entries.append(remove)
             return
         if kind != "ac":
             return
@@ -242,20 +290,28 @@ def _verify(root: Path, recs: AdminRecords, repair: bool, show_progress: bool, s
         elif refetch is not None and refetch.fetched > fetched_before:
             findings.restored_entries.append(label)
 
-    with progress("action entries", len(entries), show_progress) as advance:
-        for path, kind, function in entries:
-            advance()
-            try:
-                stat = os.stat(path)
-                with open(path, "rb") as stream:
-                    data = stream.read()
-            except FileNotFoundError:
-                findings.vanished += 1
+    # Chunk lists first: an ActionResult naming a blob kept as chunks finds it present.
+    for lists in (True, False):
+        with progress("chunk lists" if lists else "action entries", len(entries), show_progress) as advance:
+            for path, kind, function in entries:
+                advance()
+                if (kind == CHUNK_LISTS) != lists:
+                    continue
+                try:
+                    stat = os.stat(path)
+                    with open(path, "rb") as stream:
+                        data = stream.read()
+                except FileNotFoundError:
+                    findings.vanished += 1
+                    continue
+                remove_file = functools.partial(_remove_if_unchanged, path, stat)
+                check_entry(path, kind, function, os.path.basename(path), data, remove_file)
+        for record, kind, function, crc_ok in recs.entries():
+            if (kind == CHUNK_LISTS) != lists:
                 continue
-            check_entry(path, kind, function, data, functools.partial(_remove_if_unchanged, path, stat))
-    for record, kind, function, crc_ok in recs.entries():
-        data = record.data if crc_ok else b""  # a record failing its CRC is broken whatever its bytes
-        check_entry(recs.label(record.key), kind, function, data, functools.partial(recs.remove_if_unchanged, record))
+            data = record.data if crc_ok else b""  # a record failing its CRC is broken whatever its bytes
+            remove_record = functools.partial(recs.remove_if_unchanged, record)
+            check_entry(recs.label(record.key), kind, function, record.key[-32:].hex(), data, remove_record)
     if repair:
         # Entries before blobs: an interrupted repair leaves no entry pointing at a removed blob.
         for remove in bad_entries:
@@ -301,7 +357,8 @@ def summary(findings: Findings, repair: bool) -> str:
     doc = findings.document()
     rate = f", {doc['mb_per_second']} MB/s" if doc["mb_per_second"] is not None else ""
     line = (
-        f"verified {findings.blobs} blobs ({human_bytes(findings.bytes)}{rate}) and {findings.entries} action entries: "
+        f"verified {findings.blobs} blobs ({human_bytes(findings.bytes)}{rate}) and {findings.entries} action entries "
+        f"({findings.chunk_lists} chunk lists): "
         f"{len(findings.corrupt_blobs)} corrupt blobs, {len(findings.broken_entries)} broken entries, "
         f"{len(findings.dangling_entries)} dangling entries"
     )
