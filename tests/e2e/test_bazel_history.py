@@ -138,7 +138,12 @@ def test_bes_streams_the_invocation_with_its_test_log(bazel_workspace_factory, s
     summary = result.processes
     wait_for(lambda: counts(server, invocation) == (summary.cache_hits, summary.executed), 30,
              f"the page's counts to match Bazel's {summary.line!r}")  # fmt: skip
-    text = page(server, f"/invocation/{invocation}")
+    # The stream's events are written as it ends, around when Bazel exits.
+    def with_events() -> str:
+        text = page(server, f"/invocation/{invocation}")
+        return text if "SUCCESS" in text else ""
+
+    text = wait_for(with_events, 30, "the build events on the invocation page")
     assert "test //extra:ok_test //app:hello" in text
     assert "(exit code 0 SUCCESS)" in text
     assert "<code>//app:hello</code></td><td>built" in text

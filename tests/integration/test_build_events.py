@@ -10,6 +10,7 @@ import aiohttp
 import grpc
 import pytest
 from auth_setup import bearer, new_token, write_access
+from polling import wait_until
 from reapi_client import CLIENT_OPTIONS
 
 from buildvault.config import Settings
@@ -89,9 +90,13 @@ async def test_bazel_events_fill_the_invocation_page(server) -> None:
     events = [*bazel_events("inv-bes"), finish()]
     acks = await publish(stub, [stream_request("inv-bes", n + 1, e) for n, e in enumerate(events)])
     assert acks == list(range(1, len(events) + 1))
-    async with http.get("/invocation/inv-bes") as response:
-        page = await response.text()
-        assert response.status == 200, page
+
+    async def page_once_written() -> str:  # the stream's events are written as it ends
+        async with http.get("/invocation/inv-bes") as response:
+            text = await response.text()
+            return text if response.status == 200 and "PASSED" in text else ""
+
+    page = await wait_until(page_once_written, 10, "the invocation page with the stream's events")
     assert "test //pkg/&lt;b&gt;..." in page  # command and pattern, escaped
     assert "exit code 1 BUILD_FAILURE" in page and "failed" in page
     assert "//pkg:lib_test" in page and "PASSED" in page
@@ -108,7 +113,9 @@ async def test_a_retried_stream_resumes_and_is_recorded_once(server) -> None:
     # Bazel reconnects and resends from the first event it saw unacknowledged (here: from 3).
     acks = await publish(stub, [stream_request("inv-retry", n + 1, e) for n, e in enumerate(events[:5]) if n >= 2])
     assert acks == [3, 4, 5]
-    events_seen = app.services.history.store.events_of("inv-retry")
+    store = app.services.history.store
+    events_seen = await wait_until(lambda: len(store.events_of("inv-retry")) >= 2 and store.events_of("inv-retry"),
+                                   10, "the resumed stream's events")  # fmt: skip
     assert [label for _, kind, label, _, _ in events_seen if kind in ("target", "test")] == ["//pkg:lib",
                                                                                            "//pkg:lib_test"]
 
@@ -143,8 +150,9 @@ async def test_malformed_streams_are_cut_with_a_precise_error(server, case: str,
         await publish(stub, requests)
     assert cut.value.code() == code and message in (cut.value.details() or ""), cut.value.details()
     if case in ("out of order", "another stream", "undecodable"):  # what came before stays
-        summary = app.services.history.store.invocation(f"inv-{case}")
-        assert summary is not None and summary.command == "test"
+        store = app.services.history.store
+        summary = await wait_until(lambda: store.invocation(f"inv-{case}"), 10, "the cut stream's record")
+        assert summary.command == "test"
 
 
 async def test_unknown_event_kinds_are_acknowledged_and_ignored(server) -> None:
@@ -199,8 +207,9 @@ async def test_huge_endless_and_unfinished_streams(tmp_path) -> None:
             stalled.set()
             assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "no build event for 0.5 s" in (cut.value.details() or "")
-            summary = recorder.store.invocation("inv-stall")
-            assert summary is not None and summary.command == "test" and summary.outcome == "running"
+            # What the stream said before it stalled is kept (written as the stream ends).
+            summary = await wait_until(lambda: recorder.store.invocation("inv-stall"), 10, "the stalled stream")
+            assert summary.command == "test" and summary.outcome == "running"
     finally:
         await grpc_server.stop(0)
         await recorder.close()
