@@ -547,3 +547,13 @@ def test_with_several_processes_every_process_serves_fetches(buildvault_server_f
         30,
         "the secondary's relayed requests (some of the 16 connections reached it)",
     )
+
+
+async def test_health_reports_the_asset_services(tmp_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with serve(tmp_path) as server:
+        health = health_pb2_grpc.HealthStub(server.stubs.channel)
+        for service in ("build.bazel.remote.asset.v1.Fetch", "build.bazel.remote.asset.v1.Push"):
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING

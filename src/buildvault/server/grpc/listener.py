@@ -95,7 +95,8 @@ class GrpcListener:
             _add_fetch(FetchService(s.assets, auth), server)
             _add_push(PushService(s.assets, auth), server)
         add_build_event_service(server, s.history, auth)  # Bazel's --bes_backend (the build pages)
-        await add_health_service(server, list(_SERVICE_NAMES))
+        assets = ("build.bazel.remote.asset.v1.Fetch", "build.bazel.remote.asset.v1.Push") if s.assets else ()
+        await add_health_service(server, [*_SERVICE_NAMES, *assets])
         host, _, _ = self.requested.rpartition(":")
         try:
             if auth is not None and auth.tls is not None:
