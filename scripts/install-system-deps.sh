@@ -28,6 +28,7 @@ PACKAGES=(
   debootstrap       # tests/container: the local Debian base image (registries are unreachable)
   docker-compose    # tests/container: `docker-compose config` validates docker/compose.yml
   chromium          # tests/integration/test_admin_status_page.py: the status page, headless
+  chromium-driver   # tests/browser: Selenium drives chromium through the build pages
 )
 
 missing=()
