@@ -19,6 +19,13 @@ else
   ruff_paths=(src tests bench)
   mypy_paths=()  # pyproject.toml's [tool.mypy] files
 fi
+# pytest's default import mode keeps one module per basename: two test files of one name in
+# different tests/ folders stop the whole suite at collection ("import file mismatch").
+duplicates="$(find tests -name '*.py' ! -name conftest.py -printf '%f\n' | sort | uniq -d)"
+if [ -n "$duplicates" ]; then
+  echo "lint: test modules must have unique basenames across tests/; duplicated:" $duplicates >&2
+  exit 1
+fi
 echo "lint: ruff check ${ruff_paths[*]}"
 "$venv/bin/ruff" check --quiet "${ruff_paths[@]}"
 if [ "$#" -gt 0 ] && [ ${#mypy_paths[@]} -eq 0 ]; then
