@@ -14,7 +14,7 @@ from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import StorageFull
 from buildvault.storage.disk import DiskStorage
-from buildvault.storage.disk.index import HOLD_SECONDS
+from buildvault.storage.disk.core import HOLD_SECONDS
 
 pytestmark = pytest.mark.usefixtures("either_layout")
 __all__ = ["either_layout"]  # the fixture: every test runs with files and with records

@@ -36,8 +36,8 @@ from buildvault.storage import (
     StorageFull,
     ac_namespace,
 )
-from buildvault.storage.disk import SMALL_OP, WRITE_BATCH, DiskStorage, fileops, index
-from buildvault.storage.disk.core import UPLOAD_BUFFER_BUDGET
+from buildvault.storage.disk import SMALL_OP, WRITE_BATCH, DiskStorage, core, fileops
+from buildvault.storage.disk.writes import UPLOAD_BUFFER_BUDGET
 
 # Tests that work on files directly (remove, damage, count them) run with the file layout
 # (files_only); the others with both layouts (either_layout). test_disk_records.py covers records.
@@ -470,7 +470,7 @@ async def test_action_entries_are_served_from_memory_and_stay_current(
 
 @pytest.mark.usefixtures("either_layout")
 async def test_the_action_cache_in_memory_is_bounded(storage: DiskStorage, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(index, "AC_CACHE_BYTES", 64 * 100)
+    monkeypatch.setattr(core, "AC_CACHE_BYTES", 64 * 100)
     for n in range(200):
         await storage.ac.put("ac", Digest.of(b"%d" % n), bytes(100))
     memory = storage.ac_memory

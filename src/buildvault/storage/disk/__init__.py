@@ -4,12 +4,11 @@ One process per root (an flock on root/LOCK). The modules, one concern each:
 
     layout       paths, namespaces, index-key encoding, which entries are records, listings
     records      small blobs and action entries as LMDB records: format, checks, charge
-    index        the in-memory index: LRU order, space accounting, reservations, eviction
-                 choice, action entries kept in memory, FindMissingBlobs
-    core         the one owner of the shared state (the index, the pool and its coalescer,
-                 renames and unlinks in flight, suspects): space, claims, publishes, eviction,
-                 healing
-    fileops      file operations run in the worker threads; temp files
+    core         the one owner of the shared state: the in-memory index (LRU order, space,
+                 reservations, eviction choice, action entries in memory, FindMissingBlobs)
+                 and what is in flight; claims, publishes, eviction, healing
+    fileops      file operations run in the worker threads; temp files; the pool and its
+                 coalescer (one trip per event-loop iteration for small operations)
     writes       receive, verify, publish; BatchUpdateBlobs
     reads        ranged reads, batches, lookup by hash, action entries; the chunk iterators
     snapshot     the index snapshot's format
@@ -21,7 +20,7 @@ The store parses no REAPI message: after an unclean shutdown it checks action en
 validator it was opened with (buildvault.actions.entry_is_intact in the server).
 """
 
-from buildvault.storage.disk.index import DiskStats
+from buildvault.storage.disk.core import DiskStats
 from buildvault.storage.disk.store import DiskActionStore, DiskBlobStore, DiskStorage
 from buildvault.storage.disk.writes import SMALL_OP, WRITE_BATCH
 

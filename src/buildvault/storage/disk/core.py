@@ -15,10 +15,36 @@ the index, so the blob is reported missing and the next upload stores it. A reco
 looked up in the same trip instead: its size is in its key, and its content is checked when it is
 read. `suspects` is empty almost always, and the hot paths test only that.
 
-One pool trip per event-loop iteration for small file operations (`Coalescer`): every small
-operation (a whole small blob or entry written, read or unlinked) is queued on the event loop;
-everything queued by the next loop iteration goes to the worker threads as one work item and its
-results come back in one loop wakeup, so a BatchUpdateBlobs of 100 blobs is one trip, not 100.
+`Index`, the in-memory index: what is stored, in LRU order, and the space it uses or is promised.
+
+Index memory: one dict, key = the layout's byte key, value = the last-access second, an int
+object shared by every entry touched in the same second. Dict order is the LRU order (touch =
+pop and re-insert). That is ~130 bytes per blob, where an OrderedDict would be ~190. Deleting
+from the front of a dict leaves holes the next scan walks over, so eviction frees a little slack
+(max_size/1024) at a time instead of one blob per write.
+
+Recency is kept here and persisted in the snapshot, not derived from atime/mtime: atime is
+usually off (noatime/relatime), and keeping mtime current would cost a metadata write per read.
+
+Space: `used` counts published entries, `reserved` bytes promised to writes in progress
+(`Reservation`); `used + reserved` never exceeds max_size once eviction has run. A file counts
+its size, a record (an entry up to `limit` bytes: records.py) what it takes in LMDB's pages
+(`records.charge`), so the cap holds on disk for both.
+
+Eviction while serving: an entry used within the last HOLD_SECONDS (written, read, confirmed by
+FindMissingBlobs, or named by an ActionResult just served, whose completeness check is such a
+confirmation) is not evicted to make room for a write: the client told about it is about to
+fetch or reference it, and an ActionCache hit whose output is gone fails a Bazel build, while a
+refused upload (StorageFull: RESOURCE_EXHAUSTED) only costs a later rebuild. Dict order is
+recency order, so eviction stops at the first such entry.
+
+FindMissingBlobs is answered from the index alone (`find_missing`, `missing_indices`): no
+syscalls, no pool trip, keys built inline (1,000 digests a call). Hits count as uses: a client
+told "present" will reference the blob soon.
+
+Action entries recently written or read are kept in memory (`AcCache`, first in first out within
+AC_CACHE_BYTES), so a GetActionResult hit makes no trip to the worker threads; the index keeps it
+current (an entry replaced or evicted leaves it at once).
 """
 
 from __future__ import annotations
@@ -28,125 +54,301 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Container, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from buildvault.digest import Digest, InvalidDigest
+from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import CapacityExceeded, StorageError, StorageFull
 from buildvault.storage.disk import fileops, records
-from buildvault.storage.disk.index import Index, Reservation
-from buildvault.storage.disk.layout import AcKeys, Layout, cas_key, dir_id
+from buildvault.storage.disk.layout import AC_TAG, FN_BYTE, SIZE_BYTES, AcKeys, Layout, cas_key, cas_size, dir_id, held
+from buildvault.storage.disk.records import charge
 
 log = logging.getLogger("buildvault.storage.disk")
 
-# Incoming chunks are gathered to this size before one thread hop hashes and writes them:
-# Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
-WRITE_BATCH = 1 << 20
-# What the streamed uploads in progress may hold in memory between them: each up to three batches
-# (one arriving, one being hashed, one being written), so under many concurrent uploads the batch
-# shrinks (down to MIN_WRITE_BATCH) instead of the memory growing with them; a few at once keep
-# WRITE_BATCH.
-UPLOAD_BUFFER_BUDGET = 48 << 20
-MIN_WRITE_BATCH = 64 << 10
 # Blobs and entries up to this size are written and read whole, and their file operations are
-# coalesced (Coalescer).
-SMALL_OP = WRITE_BATCH
+# coalesced (fileops.Coalescer); larger writes stream in batches of this size (writes.py).
+SMALL_OP = 1 << 20
 # Hashes remembered for a re-check; beyond this the oldest are forgotten (the entry then heals at
 # its next read instead).
 MAX_SUSPECTS = 4096
 
-TRIP_OPS = 128  # operations per coalesced trip, at most
-TRIP_BYTES = 8 << 20  # bytes written per coalesced trip, at most
-OWN_TRIP_BYTES = 256 << 10  # an operation on this many bytes gets a trip of its own (no head-of-line wait)
 
-_Op = tuple[Callable[..., Any], tuple[Any, ...], "asyncio.Future[Any]"]
-
-
-class CountingPool(concurrent.futures.ThreadPoolExecutor):
-    """The store's worker pool; `trips` counts work items submitted (an observable of the
-    one-trip-per-batch rule)."""
-
-    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
-        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
-        self.trips = 0
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
-        self.trips += 1
-        return super().submit(fn, *args, **kwargs)
+# Entries used this recently are not evicted for a write (see the module docstring). Ticks are
+# whole seconds: an entry is held between HOLD_SECONDS - 1 and HOLD_SECONDS after its last use.
+# 0: plain LRU.
+HOLD_SECONDS = 2
+AC_CACHE_BYTES = 4 << 20
 
 
-def _run_ops(ops: list[_Op]) -> list[tuple[bool, Any]]:
-    """A coalesced trip: run each operation, keeping its result or its exception."""
-    results: list[tuple[bool, Any]] = []
-    for fn, args, _future in ops:
-        try:
-            results.append((True, fn(*args)))
-        except Exception as e:  # delivered to that operation's caller
-            results.append((False, e))
-    return results
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    """What the metrics endpoint and the /status page show about the disk tier."""
+
+    used_bytes: int
+    max_bytes: int
+    blob_count: int
+    ac_entries: int
+    evictions_total: int
+    lru_age_seconds: float  # age of the least recently used entry: how long an item survives
 
 
-def _deliver(ops: list[_Op], cf: concurrent.futures.Future[Any]) -> None:
-    try:
-        results = cf.result()
-    except BaseException as e:  # _run_ops itself failed (MemoryError...)
-        results = [(False, e)] * len(ops)
-    for (_fn, _args, future), (ok, value) in zip(ops, results, strict=True):
-        if future.done():
-            continue
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(value)
+class AcCache:
+    """AC key -> entry bytes, oldest first. An entry over 1/64 of the capacity is not kept."""
+
+    __slots__ = ("_entries", "nbytes")
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, bytes] = {}
+        self.nbytes = 0  # bytes held
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._entries.get(key)
+
+    def put(self, key: bytes, data: bytes) -> None:
+        if len(data) > AC_CACHE_BYTES // 64:
+            return
+        self.discard(key)
+        entries = self._entries
+        entries[key] = data
+        self.nbytes += len(data)
+        while self.nbytes > AC_CACHE_BYTES:
+            self.discard(next(iter(entries)))
+
+    def discard(self, key: bytes) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= len(old)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def held_bytes(self) -> int:
+        """The sum of the held entries' sizes (recounted: `nbytes` must equal it)."""
+        return sum(map(len, self._entries.values()))
 
 
-class Coalescer:
-    """Small file operations queued on the event loop, run in batches in the worker threads.
+class Index:
+    """Keys in LRU order with their last access, AC sizes, and the space accounting.
 
-    Each `submit` returns an asyncio future. The first operation queued in a loop iteration
-    schedules a flush for the next one; whatever is queued by then (up to TRIP_OPS operations
-    or TRIP_BYTES bytes per trip) goes to the pool as one work item. Operations of one trip run
-    in order; trips run concurrently. An operation on OWN_TRIP_BYTES or more (a whole batch, a
-    large blob) goes at once, in a trip of its own, so small ones never wait behind it. Once the
-    pool is shut down, every operation fails with StorageError.
+    Event-loop side only. `clock` gives the wall clock in seconds (injectable for tests).
     """
 
-    __slots__ = ("_executor", "_pending", "_bytes")
+    __slots__ = (
+        "entries",
+        "ac_sizes",
+        "ac_cache",
+        "max_size",
+        "slack",
+        "used",
+        "reserved",
+        "evictions",
+        "ac_published",
+        "unsynced",
+        "tracking",
+        "protected",
+        "clock",
+        "hold_seconds",
+        "limit",
+        "_tick",
+    )
 
-    def __init__(self, executor: concurrent.futures.Executor) -> None:
-        self._executor = executor
-        self._pending: list[_Op] = []
-        self._bytes = 0
+    def __init__(
+        self,
+        max_size: int,
+        clock: Callable[[], float] = time.time,
+        hold_seconds: int = HOLD_SECONDS,
+        limit: int = 0,
+    ) -> None:
+        self.entries: dict[bytes, int] = {}  # key -> last access (unix seconds); order = LRU order
+        self.ac_sizes: dict[bytes, int] = {}  # AC sizes are not in their keys (entries get replaced)
+        self.ac_cache = AcCache()
+        self.max_size = max_size
+        # Evicting a little more than needed keeps front-of-dict scans rare (see module docstring).
+        self.slack = min(max_size // 1024, 64 << 20)
+        self.used = 0  # bytes of published entries
+        self.reserved = 0  # bytes promised to writes in progress
+        self.evictions = 0
+        self.ac_published = 0  # AC publishes so far: a read that raced one is not cached
+        self.unsynced = False  # something was published since the last sync point
+        self.tracking: set[bytes] | None = None  # dirs whose entries changed during a checkpoint
+        self.protected: set[bytes] = set()  # pinned entries: eviction never picks them
+        self.clock = clock
+        self.hold_seconds = hold_seconds
+        self.limit = limit  # entries up to this size are records (records.py), larger ones files
+        self._tick = int(clock())
 
-    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], nbytes: int = 0) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        if nbytes >= OWN_TRIP_BYTES:  # hashing and writing it takes a while: others need not wait for it
-            self._run([(fn, args, future)], loop)
-            return future
-        if not self._pending:
-            loop.call_soon(self._flush)
-        self._pending.append((fn, args, future))
-        self._bytes += nbytes
-        if len(self._pending) >= TRIP_OPS or self._bytes >= TRIP_BYTES:
-            self._flush()
-        return future
+    def load(self, entries: dict[bytes, int], ac_sizes: dict[bytes, int], used: int) -> None:
+        self.entries, self.ac_sizes, self.used = entries, ac_sizes, used
 
-    def _flush(self) -> None:
-        ops, self._pending, self._bytes = self._pending, [], 0
-        if ops:
-            self._run(ops, asyncio.get_running_loop())
+    def now(self) -> int:
+        """Current second, as one int object shared by all entries touched within it."""
+        now = int(self.clock())
+        if now != self._tick:
+            self._tick = now
+        return self._tick
 
-    def _run(self, ops: list[_Op], loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            cf = self._executor.submit(_run_ops, ops)
-        except RuntimeError as e:  # the pool is shut down: the store is closing
-            for _fn, _args, future in ops:
-                if not future.done():
-                    future.set_exception(StorageError(f"disk store is closed ({e})"))
-            return
-        cf.add_done_callback(lambda cf: loop.call_soon_threadsafe(_deliver, ops, cf))
+    def touch(self, key: bytes) -> None:
+        """A use: move to the most recently used end."""
+        entries = self.entries
+        del entries[key]
+        entries[key] = self.now()
+
+    def data_size(self, key: bytes) -> int:
+        """The entry's size in bytes (an AC entry's from ac_sizes, a blob's from its key)."""
+        return self.ac_sizes[key] if key[0] == AC_TAG else cas_size(key)
+
+    def cost(self, key: bytes, size: int) -> int:
+        """What an entry of `size` bytes counts for in the cap: its size as a file, its pages as a record."""
+        return charge(key, size) if held(self.limit, key, size) else size
+
+    def in_records(self, key: bytes) -> bool:
+        """Whether the indexed entry `key` is a record (else a file)."""
+        return held(self.limit, key, self.data_size(key))
+
+    def entry_size(self, key: bytes) -> int:
+        """What the indexed entry `key` counts for in the cap."""
+        return self.cost(key, self.data_size(key))
+
+    def forget(self, key: bytes) -> int:
+        """Drop an entry from the index, the accounting and the AC cache; return its size."""
+        size = self.entry_size(key)
+        del self.entries[key]
+        if self.ac_sizes.pop(key, None) is not None:
+            self.ac_cache.discard(key)
+        self.used -= size
+        if self.tracking is not None:
+            self.tracking.add(dir_id(key))
+        return size
+
+    def indexed(self, key: bytes, reservation: Reservation, size: int) -> None:
+        """The entry (`size` bytes) is in place: index it, turning its reservation into used bytes."""
+        if key in self.entries:
+            self.forget(key)
+        reservation.release()
+        self.entries[key] = self.now()
+        if key[0] == AC_TAG:
+            self.ac_sizes[key] = size
+            self.ac_published += 1
+        self.used += self.cost(key, size)
+        self.unsynced = True
+        if self.tracking is not None:
+            self.tracking.add(dir_id(key))
+
+    def evict(self, need: int, busy: Container[bytes], *, hold: bool = True) -> list[tuple[bytes, bool]]:
+        """Forget least recently used entries (skipping `busy` and protected ones, and with `hold`
+        stopping at the first one used within `hold_seconds`) until `need` bytes are freed; return
+        them, each with whether it is a record: their files or records are the caller's to delete.
+        Fewer than `need` bytes may be freed."""
+        victims: list[tuple[bytes, bool]] = []
+        freed = 0
+        now = self.now()
+        # Entries used after `recent` are held; a tick after `now` (the clock was set back) is not,
+        # or a clock set back an hour would hold every entry for that hour.
+        recent = now - self.hold_seconds if hold and self.hold_seconds > 0 else now
+        for key, tick in self.entries.items():
+            if freed >= need or recent < tick <= now:
+                break
+            if key in busy or key in self.protected:  # busy: an AC entry being replaced becomes the newest
+                continue
+            size = self.data_size(key)
+            record = held(self.limit, key, size)
+            victims.append((key, record))
+            freed += charge(key, size) if record else size
+        for key, _record in victims:
+            self.forget(key)
+        self.evictions += len(victims)
+        return victims
+
+    def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        """The digests not stored, in input order, each once."""
+        entries: dict[Any, int] = self.entries
+        now = self.now()
+        fn_byte = FN_BYTE
+        fromhex = bytes.fromhex
+        seen: set[object] = set()
+        missing: list[Digest] = []
+        for digest in digests:
+            key: Any
+            try:
+                key = fn_byte[digest.function] + fromhex(digest.hash) + digest.size_bytes.to_bytes(SIZE_BYTES, "big")
+                if len(key) != 39:
+                    key = digest  # malformed: never stored
+            except (ValueError, TypeError, OverflowError):
+                key = digest
+            if key in seen:
+                continue
+            seen.add(key)
+            if entries.pop(key, None) is None:
+                missing.append(digest)
+            else:  # a client told "present" will reference it soon: keep it
+                entries[key] = now
+        return missing
+
+    def missing_indices(self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]) -> list[int]:
+        """find_missing without Digest objects: positions of the absent (first occurrences), ascending."""
+        entries: dict[Any, int] = self.entries
+        now = self.now()
+        fn_byte = FN_BYTE[function]
+        fromhex = bytes.fromhex
+        missing: list[int] = []
+        unique = len(set(hashes)) == len(hashes)  # the usual case: no need to track duplicates
+        seen: set[object] = set()
+        for i, (hex_hash, size) in enumerate(zip(hashes, sizes, strict=False)):  # callers pass equal lengths
+            key: Any
+            try:
+                key = fn_byte + fromhex(hex_hash) + size.to_bytes(SIZE_BYTES, "big")
+                if len(key) != 39:
+                    key = (hex_hash, size)  # malformed: never stored
+            except (ValueError, TypeError, OverflowError):
+                key = (hex_hash, size)
+            if not unique:
+                if key in seen:
+                    continue
+                seen.add(key)
+            if entries.pop(key, None) is None:
+                missing.append(i)
+            else:  # a client told "present" will reference it soon: keep it
+                entries[key] = now
+        return missing
+
+    def stats(self) -> DiskStats:
+        age = 0.0
+        if self.entries:
+            age = max(0.0, self.clock() - self.entries[next(iter(self.entries))])
+        return DiskStats(
+            used_bytes=self.used,
+            max_bytes=self.max_size,
+            blob_count=len(self.entries) - len(self.ac_sizes),
+            ac_entries=len(self.ac_sizes),
+            evictions_total=self.evictions,
+            lru_age_seconds=age,
+        )
+
+
+class Reservation:
+    """Bytes promised to one write. Publishing turns them into used bytes in the same step, so
+    `used + reserved` never counts a blob twice; release() is idempotent for every other exit."""
+
+    __slots__ = ("index", "size")
+
+    def __init__(self, index: Index, size: int) -> None:
+        self.index = index
+        self.size = size
+        index.reserved += size
+
+    def release(self) -> None:
+        self.index.reserved -= self.size
+        self.size = 0
 
 
 class Core:
@@ -166,8 +368,8 @@ class Core:
         self.records = records.Records(self.layout.records_dir, max_size, record_limit)
         self.ac_keys = AcKeys()
         workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
-        self.executor = CountingPool(workers, thread_name_prefix="buildvault-disk")
-        self.ops = Coalescer(self.executor)
+        self.executor = fileops.CountingPool(workers, thread_name_prefix="buildvault-disk")
+        self.ops = fileops.Coalescer(self.executor)
         # Read them anywhere; change them only through the methods below.
         self.publishing: dict[bytes, asyncio.Future[None]] = {}
         self.deleting: dict[bytes, asyncio.Future[None]] = {}
@@ -357,7 +559,7 @@ class Core:
         files = [self.layout.path(key) for (key, _), record in zip(held, in_records, strict=True) if not record]
         keys = [key for (key, _), record in zip(held, in_records, strict=True) if record]
         try:
-            sizes = await self.ops.submit(_sizes, (self.records, files, keys, in_records))
+            sizes = await self.ops.submit(records.sizes_of, (self.records, files, keys, in_records))
         except OSError as e:
             raise fileops.storage_error(e, "re-checking blobs a lookup did not find") from e
         for (key, size), found in zip(held, sizes, strict=True):
@@ -365,18 +567,3 @@ class Core:
                 self.drop_missing(key)
             elif found != size:
                 self.drop_damaged(key)
-
-
-def _sizes(recs: records.Records, paths: list[str], keys: list[bytes], in_records: list[bool]) -> list[int | None]:
-    """The size of each file (None: gone) and each record (its key's size, or None: gone), in order."""
-    file_sizes = iter([fileops.stat_size(path) for path in paths])
-    present = iter(records.present(recs, keys) if keys else [])
-    key_sizes = iter([int.from_bytes(key[33:], "big") for key in keys])
-    out: list[int | None] = []
-    for record in in_records:
-        if record:
-            size = next(key_sizes)
-            out.append(size if next(present) else None)
-        else:
-            out.append(next(file_sizes))
-    return out

@@ -35,7 +35,7 @@ from typing import Any
 from buildvault.digest import new_hasher
 from buildvault.storage import CHUNK_SIZE, StorageError
 from buildvault.storage.disk import fileops
-from buildvault.storage.disk.index import Index
+from buildvault.storage.disk.core import Index
 from buildvault.storage.disk.layout import FN_BY_BYTE, Layout, LeafDirs, cas_size, is_ac, key_of_name, kind_of
 from buildvault.storage.disk.records import Records
 

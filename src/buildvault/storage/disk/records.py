@@ -256,6 +256,22 @@ def present(records: Records, keys: list[bytes]) -> list[bool]:
         raise as_oserror(e, "looking up records") from e
 
 
+def sizes_of(recs: Records, paths: list[str], keys: list[bytes], in_records: list[bool]) -> list[int | None]:
+    """The size of each file (None: gone) and each record (its key's size, or None: gone), in order
+    (the re-check of suspects: core.py)."""
+    file_sizes = iter([fileops.stat_size(path) for path in paths])
+    found = iter(present(recs, keys) if keys else [])
+    key_sizes = iter([int.from_bytes(key[33:], "big") for key in keys])
+    out: list[int | None] = []
+    for record in in_records:
+        if record:
+            size = next(key_sizes)
+            out.append(size if next(found) else None)
+        else:
+            out.append(next(file_sizes))
+    return out
+
+
 def sizes_with_prefix(records: Records, prefix: bytes) -> list[int]:
     """Sizes of the CAS records whose key starts with `prefix` (function byte + raw hash): a
     lookup by hash alone (keys are sorted, so one cursor seek)."""

@@ -3,7 +3,7 @@ its two faces, `DiskBlobStore` (the CAS) and `DiskActionStore` (action entries),
 size cap and one LRU.
 
 The hot paths, the on-disk layout and durability are described in the modules that own them
-(writes, reads, index, core; layout; durability, snapshot, startup) and in
+(writes, reads, core; layout; durability, snapshot, startup) and in
 docs/architecture.md.
 """
 
@@ -21,9 +21,8 @@ from typing import Any
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import StorageError
 from buildvault.storage.disk import layout, records, snapshot, startup
-from buildvault.storage.disk.core import Core
+from buildvault.storage.disk.core import HOLD_SECONDS, AcCache, Core, DiskStats
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
-from buildvault.storage.disk.index import HOLD_SECONDS, AcCache, DiskStats
 from buildvault.storage.disk.layout import cas_key
 from buildvault.storage.disk.reads import Reader
 from buildvault.storage.disk.writes import Writer
@@ -37,7 +36,7 @@ class DiskStorage:
     Writes are acknowledged once renamed into place (no fsync each); every `sync_interval`
     seconds, if anything changed, the filesystem is synced and the sync point recorded. The index
     snapshot is written every `checkpoint_interval` seconds and by close(). Entries used within
-    `hold_seconds` are not evicted for a write (index.py; 0: plain LRU). Entries up to
+    `hold_seconds` are not evicted for a write (core.py; 0: plain LRU). Entries up to
     `record_limit` bytes (default records.RECORD_LIMIT) are records in LMDB (records.py; 0: every
     entry is a file).
     """

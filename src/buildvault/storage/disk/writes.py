@@ -3,7 +3,7 @@
 Entries up to the record limit are records (records.py): verified and committed in one coalesced
 operation, a whole batch in one LMDB transaction. Others up to SMALL_OP bytes are gathered in
 memory and verified, written and renamed in one coalesced operation; larger ones stream into a
-temp file in batches of up to WRITE_BATCH (smaller when many uploads run at once: core.py's
+temp file in batches of up to WRITE_BATCH (smaller when many uploads run at once:
 UPLOAD_BUFFER_BUDGET), one batch hashed while the previous one is written. Either way
 a blob becomes visible only once verified, by one commit or one atomic rename, and a failed or
 cancelled write leaves nothing behind. Once the commit or rename is under way it completes and
@@ -27,11 +27,20 @@ from typing import Any
 from buildvault.digest import Digest, InvalidDigest, new_hasher
 from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, single_chunk
 from buildvault.storage.disk import fileops, records
-from buildvault.storage.disk.core import MIN_WRITE_BATCH, SMALL_OP, UPLOAD_BUFFER_BUDGET, WRITE_BATCH, Core
-from buildvault.storage.disk.index import Reservation
+from buildvault.storage.disk.core import SMALL_OP, Core, Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key, held
 
 __all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
+
+# Incoming chunks are gathered to this size before one thread hop hashes and writes them:
+# Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
+WRITE_BATCH = SMALL_OP
+# What the streamed uploads in progress may hold in memory between them: each up to three batches
+# (one arriving, one being hashed, one being written), so under many concurrent uploads the batch
+# shrinks (down to MIN_WRITE_BATCH) instead of the memory growing with them; a few at once keep
+# WRITE_BATCH.
+UPLOAD_BUFFER_BUDGET = 48 << 20
+MIN_WRITE_BATCH = 64 << 10
 
 _Claim = tuple[int, bytes, int, Reservation]  # item, key, size, reservation
 
