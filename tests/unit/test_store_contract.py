@@ -171,7 +171,8 @@ async def read_all(store: BlobStore, digest: Digest, offset: int = 0, limit: int
 async def test_implements_the_protocols(store: BlobStore, tmp_path: Path) -> None:
     assert isinstance(store, BlobStore)
     if isinstance(store, DiskBlobStore):
-        assert isinstance(store.storage.ac, ActionStore)
+        async with await DiskStorage.open(tmp_path / "faces", 1 << 20) as storage:
+            assert isinstance(storage.ac, ActionStore)
     assert isinstance(MemoryActionStore(), ActionStore)
 
 

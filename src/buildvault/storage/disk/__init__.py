@@ -9,19 +9,20 @@ One process per root (an flock on root/LOCK). The modules, one concern each:
                  and what is in flight; claims, publishes, eviction, healing
     fileops      file operations run in the worker threads; temp files; the pool and its
                  coalescer (one trip per event-loop iteration for small operations)
-    writes       receive, verify, publish; BatchUpdateBlobs
+    writes       the two faces (DiskBlobStore, DiskActionStore), where a request enters; the
+                 write path: receive, verify, publish; BatchUpdateBlobs
     reads        ranged reads, batches, lookup by hash, action entries; the chunk iterators
     snapshot     the index snapshot's format
     durability   sync points, the SYNC marker, crash re-verification
     startup      lock, temp clean-up, index rebuild, records reconciled and re-verified
-    store        DiskStorage and its DiskBlobStore / DiskActionStore faces
+    store        DiskStorage: open, close, checkpoints, sync points, observables
 
 The store parses no REAPI message: after an unclean shutdown it checks action entries with the
 validator it was opened with (buildvault.actions.entry_is_intact in the server).
 """
 
 from buildvault.storage.disk.core import DiskStats
-from buildvault.storage.disk.store import DiskActionStore, DiskBlobStore, DiskStorage
-from buildvault.storage.disk.writes import SMALL_OP, WRITE_BATCH
+from buildvault.storage.disk.store import DiskStorage
+from buildvault.storage.disk.writes import SMALL_OP, WRITE_BATCH, DiskActionStore, DiskBlobStore
 
 __all__ = ["SMALL_OP", "WRITE_BATCH", "DiskActionStore", "DiskBlobStore", "DiskStats", "DiskStorage"]

@@ -1,6 +1,6 @@
-"""The disk store itself: `DiskStorage` (open, close, checkpoints, sync points, observables) and
-its two faces, `DiskBlobStore` (the CAS) and `DiskActionStore` (action entries), which share one
-size cap and one LRU.
+"""The disk store itself: `DiskStorage` (open, close, checkpoints, sync points, observables). Its
+two faces, `DiskBlobStore` (the CAS) and `DiskActionStore` (action entries), which share one size
+cap and one LRU, are in writes.py, where a request enters.
 
 The hot paths, the on-disk layout and durability are described in the modules that own them
 (writes, reads, core; layout; durability, snapshot, startup) and in
@@ -14,18 +14,18 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.digest import Digest, InvalidDigest
 from buildvault.storage import StorageError
 from buildvault.storage.disk import layout, records, snapshot, startup
 from buildvault.storage.disk.core import HOLD_SECONDS, AcCache, Core, DiskStats
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
 from buildvault.storage.disk.layout import cas_key
 from buildvault.storage.disk.reads import Reader
-from buildvault.storage.disk.writes import Writer
+from buildvault.storage.disk.writes import DiskActionStore, DiskBlobStore, Writer
 
 log = logging.getLogger("buildvault.storage.disk")
 
@@ -55,8 +55,8 @@ class DiskStorage:
         self._checkpointing = asyncio.Lock()  # one checkpoint at a time
         self._closed = False
         self.load_info: dict[str, Any] = {}
-        self.cas = DiskBlobStore(self)
-        self.ac = DiskActionStore(self)
+        self.cas = DiskBlobStore(core, self._writer, self._reader)
+        self.ac = DiskActionStore(self._writer, self._reader)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -289,68 +289,3 @@ class DiskStorage:
     def path_of(self, digest: Digest) -> str:
         """Where the blob `digest` is (or would be) stored as a file (see is_record)."""
         return self._core.layout.path(layout.cas_key(digest))
-
-
-class DiskBlobStore:
-    """BlobStore over a DiskStorage (CAS half). Get one from `DiskStorage.open(...).cas`."""
-
-    def __init__(self, storage: DiskStorage) -> None:
-        self.storage = storage
-        self._core = storage._core
-        self._reader = storage._reader
-        self._writer = storage._writer
-
-    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-        """In-memory only: no syscalls (but for hashes a lookup found no file for). Hits count as
-        uses (they are about to be referenced)."""
-        if self._core.suspects:
-            await self._core.recheck(digests)
-        return self._core.index.find_missing(digests)
-
-    async def find_missing_indices(
-        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
-    ) -> list[int]:
-        """find_missing for parallel lists of hex hashes and sizes (no Digest objects: FindMissingBlobs'
-        hot path): the positions of the absent ones, first occurrences only, in order."""
-        core = self._core
-        core.check_open()
-        if core.suspects:
-            suspects = core.suspects
-            await core.recheck(Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in suspects)
-        return core.index.missing_indices(function, hashes, sizes)
-
-    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
-        return await self._reader.read(digest, offset, limit)
-
-    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
-        """Whole blobs, each its bytes or its error (NotFound...): small ones in one pool trip."""
-        return await self._reader.read_blobs(digests)
-
-    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
-        """Verify and publish atomically. An already stored blob returns at once, leaving `chunks` unread."""
-        await self._writer.write(digest, chunks)
-
-    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        """Store whole blobs, each verified: None or the error, each. Small ones in one pool trip."""
-        return await self._writer.write_blobs(items)
-
-    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
-        return await self._reader.lookup(function, hash)
-
-    def stats(self) -> DiskStats:
-        return self.storage.stats()
-
-
-class DiskActionStore:
-    """ActionStore over a DiskStorage (AC half): own subtree, same cap and LRU as the CAS."""
-
-    def __init__(self, storage: DiskStorage) -> None:
-        self.storage = storage
-        self._reader = storage._reader
-        self._writer = storage._writer
-
-    async def get(self, namespace: str, digest: Digest) -> bytes:
-        return await self._reader.get_entry(namespace, digest)
-
-    async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
-        await self._writer.put_entry(namespace, digest, data)
