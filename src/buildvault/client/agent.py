@@ -29,6 +29,7 @@ import json
 import os
 import socket
 import socketserver
+import struct
 import sys
 import threading
 import time
@@ -43,6 +44,7 @@ from buildvault.digest import Digest
 from . import protocol
 from .compile_args import Bypass, Compile, classify
 from .hits import HitFinder, check_time_macros
+from .invocation import invocation_id, request_metadata
 from .keys import FileHasher, Prepared, Uncacheable, parse_platform, prepare
 from .outputs import OutputChanged, discard, move_into_place, private_argv, read_temps, unusable
 from .remote import PermissionDenied, Remote, RemoteError
@@ -64,6 +66,7 @@ class _Pending:
     depfile: str  # where the dependency list will be
     created: float
     env: dict[str, str]
+    invocation: str = ""  # the build it belongs to (invocation.py)
 
 
 class Agent:
@@ -171,7 +174,9 @@ class Agent:
             check_time_macros(info.time_macros, info.timestamp_macro, env)
             if info.directives.unseen:
                 raise Uncacheable(info.directives.unseen)
-            hit = self.hits.lookup(p, env)
+            invocation = invocation_id(env, req.get("peer_pid"))
+            with request_metadata(invocation, _target(p), "CppCompile"):
+                hit = self.hits.lookup(p, env)
         except Uncacheable as e:
             return {"op": "bypass", "reason": f"uncacheable: {e}"}
         except OutputChanged as e:
@@ -191,7 +196,7 @@ class Agent:
         token = uuid.uuid4().hex
         exec_argv, temps, depfile = private_argv(c, p.outputs, token, self.tmpdir)
         with self.lock:
-            self.pending[token] = _Pending(p, temps, depfile, time.time(), env)
+            self.pending[token] = _Pending(p, temps, depfile, time.time(), env, invocation)
         return {"op": "run", "argv": exec_argv, "token": token}
 
     def handle_native(self, req: Reply) -> bytes:
@@ -251,7 +256,7 @@ class Agent:
             return {"status": "MISS", "reason": f"not-stored: {e}"}
         job = StoreJob(p, pending.env, dep_bytes.decode("utf-8", "surrogateescape"),
                        [(path, kind, written[path]) for path, kind in p.outputs], req["stdout"], req["stderr"],
-                       float(req.get("seconds", 0.0)), float(req.get("started", 0.0)))
+                       float(req.get("seconds", 0.0)), float(req.get("started", 0.0)), pending.invocation)
         if self.sync_store:
             return self._store_job(job)
         mkey = self.hits.manifest_key(p).digest
@@ -286,7 +291,8 @@ class Agent:
     def _store_job(self, job: StoreJob) -> Reply:
         try:
             t0 = time.perf_counter()
-            stored = self.storer.store(job)
+            with request_metadata(job.invocation, _target(job.p), "CppCompile"):
+                stored = self.storer.store(job)
         except Uncacheable as e:
             return {"status": "BYPASS", "reason": f"uncacheable: {e}"}
         except PermissionDenied as e:
@@ -307,6 +313,14 @@ class Agent:
         with self.lock:
             while self.inflight and time.monotonic() < deadline:
                 self.idle.wait(0.5)
+
+
+def _target(p: Prepared) -> str:
+    """A compile's target in the server's history: its object file, as the key names it."""
+    for path, kind in p.outputs:
+        if kind == "obj":
+            return p.roots.layout(path)
+    return p.roots.layout(p.outputs[0][0]) if p.outputs else ""
 
 
 def _unlink(path: str) -> None:
@@ -374,15 +388,26 @@ def _mtime(path: str | None) -> int | None:
         return None
 
 
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The connected launcher's pid (SO_PEERCRED), to find the build it runs under."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return int(struct.unpack("3i", creds)[0])
+    except (OSError, AttributeError, struct.error):
+        return None
+
+
 class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         agent: Agent = self.server.agent  # type: ignore[attr-defined]
         sock = self.request
+        peer = _peer_pid(sock)
         try:
             while True:
                 req = protocol.recv(sock)
                 if req is None:
                     return
+                req["peer_pid"] = peer
                 agent.last_activity = time.monotonic()
                 op = req.get("op")
                 try:

@@ -18,6 +18,7 @@ from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
 from . import includes
+from .invocation import no_request_metadata
 from .keys import EXACT, ActionKey, FileHasher, Prepared, Uncacheable, action_key
 from .outputs import write_output
 from .remote import Remote, RemoteError, from_proto
@@ -60,7 +61,8 @@ class HitFinder:
             hit = self._try_entries(p, env, entries, tried, mkey.digest)
             if hit:
                 return hit
-        result = self.remote.get_action_result(mkey.digest, inline_files=["manifest.json"])
+        with no_request_metadata():  # a manifest is bookkeeping, not a build step
+            result = self.remote.get_action_result(mkey.digest, inline_files=["manifest.json"])
         if result is None or not result.output_files:
             return None
         data = self.file_contents([result.output_files[0]])[0]

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from buildvault.client.chunked import CHUNKED_MIN_SIZE, ChunkCache, chunking_of, chunks_of, default_chunk_cache
+from buildvault.client.invocation import current_metadata
 from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
 from buildvault.storage.chunks.chunker import ChunkingParams
@@ -166,9 +167,12 @@ class Remote:
         self.bytes_downloaded = 0
 
     @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """Each call's metadata: the current token (the token file is read again when it changes)."""
-        return self.tokens.metadata()
+    def metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """Each call's metadata: the current token (the token file is read again when it changes),
+        and the RequestMetadata of the build step being served, when one is open (invocation.py)."""
+        extra = current_metadata()
+        base: tuple[tuple[str, str | bytes], ...] = self.tokens.metadata()
+        return base + (extra,) if extra is not None else base
 
     def close(self) -> None:
         self.channel.close()

@@ -20,6 +20,7 @@ from buildvault.remote_apis import re_pb2
 from . import includes, preprocessed
 from .compile_args import parse_depfile
 from .hits import Entry, HitFinder, check_time_macros
+from .invocation import current_metadata, no_request_metadata
 from .keys import EXACT, FileHasher, FileInfo, Prepared, Uncacheable, action_key
 from .remote import Remote
 from .toolchain import CompilerIdentity
@@ -39,6 +40,7 @@ class StoreJob:
     stderr: bytes
     seconds: float
     started: float  # wall time the compile started (inputs changed after it are not stored)
+    invocation: str = ""  # the build it belongs to (invocation.py), for the server's history
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,15 @@ class Storer:
         manifest_result = re_pb2.ActionResult(
             output_files=[re_pb2.OutputFile(path="manifest.json", digest=manifest_digest.to_proto(re_pb2.Digest))]
         )
-        self.remote.update_action_results([(key.digest, result), (mkey.digest, manifest_result)])
+        if current_metadata() is None:
+            self.remote.update_action_results([(key.digest, result), (mkey.digest, manifest_result)])
+        else:
+            # The build's history (the server's pages) sees this compile as Bazel's would be seen:
+            # a lookup of the action that missed, then its result; the manifest is bookkeeping.
+            self.remote.get_action_result(key.digest)
+            self.remote.update_action_result(key.digest, result)
+            with no_request_metadata():
+                self.remote.update_action_result(mkey.digest, manifest_result)
         self.hits.manifests[mkey.digest] = entries
         return Stored(key.digest, len(out_files), exact)
 

@@ -14,7 +14,7 @@ from ..keys import FileHasher
 from ..remote import Remote, RemoteError
 from .key import step_key
 from .spec import SpecError, StepSpec
-from .step import Step, key_text
+from .step import Step, key_text, step_metadata
 
 Reply = dict[str, Any]
 
@@ -29,7 +29,8 @@ def lookup_step(req: Reply, remote: Remote, hasher: FileHasher) -> Reply:
     except (SpecError, OSError, ValueError) as e:
         return {"op": "local", "reason": f"key: {e}"}
     try:
-        restored = step.restore_cached(key, remote)
+        with step_metadata(spec, step.run_env, req.get("peer_pid")):  # the lookup the history records
+            restored = step.restore_cached(key, remote)
     except RemoteError as e:
         return {"op": "bypass", "reason": "remote-unavailable",
                 "warning": f"buildvault run: remote cache unavailable ({e}); running steps uncached"}

@@ -40,7 +40,7 @@ def main_run(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str,
     except SpecError as e:
         print(f"buildvault run: {e}", file=sys.stderr)
         return 2
-    from .fast import run_fast
+    from .fast import LOOKED_UP, run_fast
 
     code = run_fast(spec, env)
     if code is not None:
@@ -51,7 +51,7 @@ def main_run(args: argparse.Namespace | types.SimpleNamespace, env: Mapping[str,
         site.main()
     from .step import run_step  # the in-process path: imports the gRPC stack
 
-    return run_step(spec, env)
+    return run_step(spec, env, looked_up=bool(LOOKED_UP))
 
 
 def run_main(argv: list[str]) -> int:

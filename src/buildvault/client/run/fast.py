@@ -37,6 +37,10 @@ def _agent_can_key(spec: StepSpec, env: Mapping[str, str]) -> bool:
     return True
 
 
+# Set when the agent looked the step up and missed (see step.run_step's `looked_up`).
+LOOKED_UP: list[bool] = []
+
+
 def run_fast(spec: StepSpec, env: Mapping[str, str]) -> int | None:
     """The step's exit code when it was settled here (HIT, BYPASS); None: run it in-process."""
     report = StepReport(spec, env)
@@ -62,6 +66,8 @@ def run_fast(spec: StepSpec, env: Mapping[str, str]) -> int | None:
         report.key_text = str(reply["key"])
         report.event.update(reply.get("event") or {})
         return report.finish("HIT", int(reply["exit"]), "hit")
+    if op == "local":
+        LOOKED_UP.append(True)  # the agent looked the step up: the in-process path need not record it again
     if op == "bypass" and reply.get("reason") == "remote-unavailable":
         warn_once(str(reply.get("warning") or "buildvault run: remote cache unavailable; running steps uncached"))
         return report.bypass("remote-unavailable")

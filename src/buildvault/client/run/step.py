@@ -13,10 +13,12 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from buildvault.client.invocation import invocation_id, no_request_metadata, request_metadata
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
@@ -48,6 +50,7 @@ class Step(StepReport):
         super().__init__(spec, env)
         self.key: StepKey | None = None
         self.remote: Remote | None = None
+        self.looked_up = False  # the agent's lookup (the recorded one) came first: see run_step
 
     # -- the step ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -70,7 +73,8 @@ class Step(StepReport):
             warn_once(f"buildvault run: {e}; running the step uncached")
             return self.bypass("bad-remote")
         try:
-            return self._cached(self.key, self.remote)
+            with step_metadata(spec, self.run_env, os.getpid()):  # the server's history (client/invocation.py)
+                return self._cached(self.key, self.remote)
         except Exception as e:  # a cache bug must never fail the build
             if self.ran:
                 raise
@@ -128,7 +132,11 @@ class Step(StepReport):
 
     def _cached(self, key: StepKey, remote: Remote) -> int:
         try:
-            code = self._lookup(key, remote)
+            if self.looked_up:
+                with no_request_metadata():
+                    code = self._lookup(key, remote)
+            else:
+                code = self._lookup(key, remote)
         except RemoteError as e:
             warn_once(f"buildvault run: remote cache unavailable ({e}); running steps uncached")
             return self.bypass("remote-unavailable")
@@ -141,7 +149,8 @@ class Step(StepReport):
             return self.bypass("lock-timeout")
         try:
             try:
-                code = self._lookup(key, remote)  # an identical step may have stored it while we waited
+                with no_request_metadata():  # the history has this step's lookup already
+                    code = self._lookup(key, remote)  # an identical step may have stored it while we waited
             except RemoteError:
                 code = None
             if code is not None:
@@ -205,5 +214,17 @@ def key_text(key: StepKey) -> str:
     return f"{key.digest.hash}/{key.digest.size_bytes}"
 
 
-def run_step(spec: StepSpec, env: Mapping[str, str]) -> int:
-    return Step(spec, env).run()
+def run_step(spec: StepSpec, env: Mapping[str, str], looked_up: bool = False) -> int:
+    """`looked_up`: the agent already looked the step up (and missed); its lookup was the one the
+    server's history records, so this path's lookups are not recorded again."""
+    step = Step(spec, env)
+    step.looked_up = looked_up
+    return step.run()
+
+
+def step_metadata(spec: StepSpec, env: Mapping[str, str], pid: int | None) -> AbstractContextManager[None]:
+    """The RequestMetadata of a step's calls: the build it runs under, its output, its name."""
+    target = (spec.outputs[0] if spec.outputs else spec.output_dir) or spec.name
+    if target and os.path.isabs(target) and spec.workdir:
+        target = os.path.relpath(target, spec.workdir)  # the same in every checkout
+    return request_metadata(invocation_id(dict(env), pid), target or "", spec.name or "step", tool="buildvault-run")
