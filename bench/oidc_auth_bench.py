@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/oidc_auth_bench.py [--rounds 4] [--scenarios fmb_c16,ac_get_c16]
 
-Each round starts two fresh servers, one after the other, and runs the harness against each:
+Each round starts two fresh servers (one process each), one after the other, and runs the
+harness against each:
 `--token-file` with a static bearer token, and `--oidc-issuer` with a JWT signed by an RS256 key
 of the issuer (keys from `--oidc-jwks-file`, so no network; the verification path is the one a
 fetched key set takes). Both have an access file granting the caller read and write. Prints
@@ -122,7 +123,10 @@ def main() -> int:
             for kind in order:
                 extra, token = kinds[kind]
                 data = root / f"{kind}-{round_}"
-                server = start_buildvault(data, root / f"{kind}-{round_}.log", ["--local-workers", "0", *extra])
+                # One process: with several, the harness's one connection lands on the primary or
+                # on a secondary (whose store is behind a socket) at random, which swamps the check.
+                options = ["--local-workers", "0", "--processes", "1", *extra]
+                server = start_buildvault(data, root / f"{kind}-{round_}.log", options)
                 try:
                     results = run_harness(server.address, server.pid, token, args.scenarios, root / f"{kind}.json")
                 finally:
