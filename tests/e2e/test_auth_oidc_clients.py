@@ -120,6 +120,9 @@ def test_bazel_main_token_writes_and_hits_pr_token_stores_nothing(oidc_server, b
     assert hits.processes.as_dict() == ALL_HITS, hits.processes.line
     assert len(audit_lines(oidc_server)) == len(written)
     assert not [e for e in audit_lines(oidc_server) if e["claims"].get("run_id") == "2222"]
+    # For the record (pytest -s): what Bazel did with each kind of token.
+    print(f"bazel main cold: {cold.line}\nbazel main after clean: {warm.line}")
+    print(f"bazel PR, own instance: {result.processes.line}\nbazel PR, main's results: {hits.processes.line}")
 
 
 def test_ccache_main_token_writes_and_hits_pr_token_only_reads(oidc_server, ccache_project_factory):
@@ -128,9 +131,11 @@ def test_ccache_main_token_writes_and_hits_pr_token_only_reads(oidc_server, ccac
     issuer = oidc_server.issuer
     main, pr = issuer.mint(**MAIN), issuer.mint(**PR)
     base = f"http://{oidc_server.http_address}/csrc|layout=bazel"
-    ccache_project_factory("main", remote_storage=f"{base}|bearer-token={main}").build_cold()
+    cold = ccache_project_factory("main", remote_storage=f"{base}|bearer-token={main}")
+    cold.build_cold()
     assert entries(oidc_server) == 2 * TRANSLATION_UNITS
-    ccache_project_factory("main-again", remote_storage=f"{base}|bearer-token={main}").rebuild_all_remote_hits()
+    again = ccache_project_factory("main-again", remote_storage=f"{base}|bearer-token={main}")
+    again.rebuild_all_remote_hits()
     # The PR job hits everything main stored ...
     reader = ccache_project_factory("pr", remote_storage=f"{base}|bearer-token={pr}|read-only=true")
     reader.build()
@@ -152,3 +157,7 @@ def test_ccache_main_token_writes_and_hits_pr_token_only_reads(oidc_server, ccac
     }
     found = buildvault_audit(oidc_server, written[0]["digest"])
     assert found.returncode == 0 and "run_id=1111" in found.stdout and " http " in found.stdout, found.stderr
+    # For the record (pytest -s): what ccache did with each kind of token.
+    keys = ("cache_miss", "direct_cache_hit", "remote_storage_hit", "remote_storage_write", "remote_storage_error")
+    for name, project in (("main cold", cold), ("main again", again), ("PR read-only", reader), ("PR writing", writer)):
+        print(f"ccache {name}: " + " ".join(f"{k}={project.stats().get(k, 0)}" for k in keys))
