@@ -46,9 +46,10 @@ try:
 except ImportError:  # a checkout whose package is not installed in this interpreter
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
-
 import blake3
 import grpc
+
+from buildvault.history.metadata import metadata_header
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -361,13 +362,14 @@ class _Authorization(
     grpc.aio.UnaryStreamClientInterceptor,
     grpc.aio.StreamUnaryClientInterceptor,
 ):
-    """Adds `authorization: VALUE` to every call (--authorization: measure a server with access control)."""
+    """Adds headers to every call: `authorization: VALUE` (--authorization: measure a server with
+    access control) and Bazel's `requestmetadata-bin` (--request-metadata: measure the history)."""
 
-    def __init__(self, value: str) -> None:
-        self._entry = ("authorization", value)
+    def __init__(self, entries: list[tuple[str, str | bytes]]) -> None:
+        self._entries = entries
 
     def _details(self, details: Any) -> Any:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._entry)
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *self._entries)
         return details._replace(metadata=metadata)
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -386,7 +388,8 @@ class Client:
     processes share the port (`buildvault serve --processes N`) spreads its load."""
 
     def __init__(
-        self, target: str, instance: str, rpc_timeout: float, authorization: str = "", channels: int = 1
+        self, target: str, instance: str, rpc_timeout: float, authorization: str = "", channels: int = 1,
+        request_metadata: bool = False,
     ) -> None:
         self.target = target
         self.instance = instance
@@ -399,7 +402,12 @@ class Client:
         ]
         if channels > 1:
             options.append(("grpc.use_local_subchannel_pool", 1))
-        interceptors = [_Authorization(authorization)] if authorization else None
+        headers: list[tuple[str, str | bytes]] = [("authorization", authorization)] if authorization else []
+        if request_metadata:  # what Bazel sends on every call (one invocation, one action)
+            headers.append(metadata_header(tool="bazel", tool_version="4.2.3", invocation=str(uuid.uuid4()),
+                                           action_id="0" * 64, mnemonic="CppCompile", target="//bench:lib",
+                                           configuration="k8-fastbuild"))  # fmt: skip
+        interceptors = [_Authorization(headers)] if headers else None
         self.channels = [
             grpc.aio.insecure_channel(target, options=options, interceptors=interceptors) for _ in range(channels)
         ]
@@ -1025,7 +1033,8 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.seed is not None:
         random.seed(args.seed)
 
-    client = Client(args.target, args.instance, args.rpc_timeout, args.authorization, args.channels)
+    client = Client(args.target, args.instance, args.rpc_timeout, args.authorization, args.channels,
+                    args.request_metadata)  # fmt: skip
     try:
         capabilities = await wait_ready(client, args.wait)
     except grpc.aio.AioRpcError as exc:
@@ -1163,6 +1172,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--channels", type=int, default=1, help="connections, calls spread over them in turn (default %(default)s)"
     )
+    parser.add_argument("--request-metadata", action="store_true",
+                        help="send Bazel's requestmetadata-bin on every call (the history records it)")  # fmt: skip
     return parser.parse_args(argv)
 
 

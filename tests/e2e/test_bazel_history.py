@@ -46,8 +46,8 @@ def explanations(server, invocation: str) -> list[tuple[str, str]]:
     """(mnemonic, explanation page) of every miss listed on the invocation's page."""
     text = page(server, f"/invocation/{invocation}")
     misses = text.split("<h2>Misses")[1]
-    rows = re.findall(r"<tr><td>.*?</td><td><code>([^<]*)</code></td>.*?class=\"why\" href=\"([^\"]+)\"", misses)
-    return [(mnemonic, page(server, html.unescape(url))) for mnemonic, url in rows]
+    rows = re.findall(r'<tr><td><a class="why" href="([^"]+)">[^<]*</a></td><td><code>([^<]*)</code></td>', misses)
+    return [(mnemonic, page(server, html.unescape(url))) for url, mnemonic in rows]
 
 
 def build(ws, server, *flags: str):  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HistoryStore", "InvocationSummary", "Row", "OUTCOMES"]
+__all__ = ["OUTCOMES", "HistoryStore", "InvocationDetail", "InvocationSummary", "Row"]
 
 # What a recorded call came to.
 OUTCOMES = ("hit", "miss", "upload", "executed", "failed", "download")
@@ -169,6 +169,19 @@ class InvocationSummary:
         if self.bes_started is not None and self.bes_finished is None:
             return "running"
         return "ok"
+
+
+@dataclass(frozen=True, slots=True)
+class InvocationDetail:
+    """The invocation page's tables: (name, hits, misses, executed, failed) by mnemonic and by target
+    (most misses first), the slowest and the failed calls, and every missed digest once with its
+    mnemonic and target, in the order they missed."""
+
+    by_mnemonic: list[tuple[str, int, int, int, int]]
+    by_target: list[tuple[str, int, int, int, int]]
+    slowest: list[Row]
+    failed: list[Row]
+    misses: list[tuple[str, str, str]]
 
 
 _ROW_SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM requests"
@@ -364,6 +377,34 @@ class HistoryStore:
         """Every recorded call of an invocation, in time order."""
         rows = self._read(_ROW_SELECT + " WHERE invocation = ? ORDER BY time", (invocation,))
         return [Row(*row) for row in rows]
+
+    def invocation_detail(self, invocation: str, *, targets: int = 100, slowest: int = 20,
+                          failed: int = 500) -> InvocationDetail:  # fmt: skip
+        """What the invocation page shows, aggregated by SQLite (one connection, five queries)."""
+        looked = "invocation = ? AND method IN ('ac_get', 'execute')"
+        connection = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5.0, check_same_thread=False)
+        try:
+            q = connection.execute
+            counts = ("sum(outcome = 'hit'), sum(outcome = 'miss'), sum(outcome = 'executed'),"
+                      " sum(outcome = 'failed')")  # fmt: skip
+            by_mnemonic = q(f"SELECT mnemonic, {counts} FROM requests WHERE {looked} GROUP BY mnemonic"
+                            " ORDER BY mnemonic", (invocation,)).fetchall()  # fmt: skip
+            by_target = q(f"SELECT target, {counts} FROM requests WHERE {looked} GROUP BY target"
+                          " ORDER BY 3 DESC, target LIMIT ?", (invocation, targets)).fetchall()  # fmt: skip
+            slow = q(_ROW_SELECT + f" WHERE {looked} ORDER BY duration DESC LIMIT ?", (invocation, slowest)).fetchall()
+            failures = q(_ROW_SELECT + " WHERE invocation = ? AND outcome = 'failed' ORDER BY time LIMIT ?",
+                         (invocation, failed)).fetchall()  # fmt: skip
+            misses = q("SELECT digest, mnemonic, target FROM requests WHERE invocation = ? AND outcome = 'miss'"
+                       " GROUP BY digest ORDER BY min(id)", (invocation,)).fetchall()  # fmt: skip
+        finally:
+            connection.close()
+        return InvocationDetail(
+            [(str(m), int(h or 0), int(x or 0), int(e or 0), int(f or 0)) for m, h, x, e, f in by_mnemonic],
+            [(str(t), int(h or 0), int(x or 0), int(e or 0), int(f or 0)) for t, h, x, e, f in by_target],
+            [Row(*r) for r in slow],
+            [Row(*r) for r in failures],
+            [(str(d), str(m), str(t)) for d, m, t in misses],
+        )
 
     def requests_for(self, digest: str, limit: int = 200) -> list[Row]:
         """The most recent recorded calls naming an action digest (`hash/size`)."""

@@ -20,7 +20,6 @@ import asyncio
 import datetime
 import html
 import re
-from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, urlencode
@@ -43,7 +42,7 @@ from buildvault.history.actions import (
     parse_digest,
 )
 from buildvault.history.recorder import Recorder
-from buildvault.history.store import HistoryStore, InvocationSummary, Row
+from buildvault.history.store import HistoryStore, InvocationDetail, InvocationSummary, Row
 from buildvault.remote_apis import re_pb2
 from buildvault.server.auth import Auth
 from buildvault.server.auth.grants import Permission
@@ -58,6 +57,8 @@ DEFAULT_SECRET_PATTERNS = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*KEY*")
 MASK = "••••••"
 # The most bytes of stdout/stderr shown inline on the action page.
 INLINE_LIMIT = 64 << 10
+# The misses an invocation page lists before "every miss" (?misses=all).
+MISS_PAGE = 1000
 e = html.escape
 
 
@@ -88,6 +89,9 @@ def _bytes(n: int) -> str:
 def _q(**params: str) -> str:
     kept = {k: v for k, v in params.items() if v}
     return "?" + urlencode(kept) if kept else ""
+
+
+_PLAIN_DIGEST = re.compile(r"[0-9a-f]{1,128}/[0-9]{1,20}")
 
 
 def _digest_url(key: str) -> str:
@@ -261,10 +265,11 @@ class BuildPages:
         if summary is None:
             return _error(404, f"no invocation {invocation_id!r} is recorded")
         self._check(request, summary.instance)
-        rows, events = await asyncio.gather(
-            asyncio.to_thread(store.requests_of, invocation_id), asyncio.to_thread(store.events_of, invocation_id)
+        detail, events = await asyncio.gather(
+            asyncio.to_thread(store.invocation_detail, invocation_id), asyncio.to_thread(store.events_of, invocation_id)
         )
-        return _page(f"Invocation {invocation_id}", _render_invocation(summary, rows, events))
+        all_misses = request.query.get("misses") == "all"
+        return _page(f"Invocation {invocation_id}", _render_invocation(summary, detail, events, all_misses))
 
     # -- /action/<digest> ----------------------------------------------------------------
 
@@ -581,7 +586,9 @@ def _usage_section(rows: list[Row], digest: Digest, instance: str) -> str:
     return "<h2>Invocations</h2>" + _table(headers, table, "usage")
 
 
-def _render_invocation(summary: InvocationSummary, rows: list[Row], events: list[Event]) -> str:
+def _render_invocation(
+    summary: InvocationSummary, detail: InvocationDetail, events: list[Event], all_misses: bool = False
+) -> str:
     i = summary
     instance = i.instance
     info = [
@@ -602,35 +609,17 @@ def _render_invocation(summary: InvocationSummary, rows: list[Row], events: list
     if i.correlated:
         info.append(("correlated invocations", f"<code>{e(i.correlated)}</code>"))
     parts = [_table(("", ""), info, "summary")]
-    by_mnemonic: dict[str, Counter[str]] = defaultdict(Counter)
-    by_target: dict[str, Counter[str]] = defaultdict(Counter)
-    misses: dict[str, Row] = {}
-    slow: list[Row] = []
-    failed: list[Row] = []
-    for r in rows:
-        if r.method not in ("ac_get", "execute", "ac_update"):
-            continue
-        if r.method != "ac_update":
-            by_mnemonic[r.mnemonic or "(none)"][r.outcome] += 1
-            by_target[r.target or "(none)"][r.outcome] += 1
-            slow.append(r)
-        if r.outcome == "miss":
-            misses.setdefault(r.digest, r)
-        elif r.outcome == "failed":
-            failed.append(r)
     counts = ("hit", "miss", "executed", "failed")
-    mrows = [[f"<code>{e(m)}</code>", *(f"{c[k]:,}" for k in counts)] for m, c in sorted(by_mnemonic.items())]
+    mrows = [[f"<code>{e(m or '(none)')}</code>", *(f"{n:,}" for n in ns)] for m, *ns in detail.by_mnemonic]
     parts.append("<h2>By mnemonic</h2>" + _table(("mnemonic", *counts), mrows, "mnemonics"))
-    ranked = sorted(by_target.items(), key=lambda item: (-item[1]["miss"], item[0]))[:100]
-    trows = [[f"<code>{e(t)}</code>", *(f"{c[k]:,}" for k in counts)] for t, c in ranked]
-    parts.append("<h2>By target</h2>" + _table(("target", *counts), trows, "targets"))
-    slow.sort(key=lambda r: -r.duration)
+    trows = [[f"<code>{e(t or '(none)')}</code>", *(f"{n:,}" for n in ns)] for t, *ns in detail.by_target]
+    parts.append("<h2>By target (most misses first)</h2>" + _table(("target", *counts), trows, "targets"))
     srows = [[_action_link(r.digest, instance), f"<code>{e(r.mnemonic)}</code>", f"<code>{e(r.target)}</code>",
-              e(r.method), e(r.outcome), e(_seconds(r.duration))] for r in slow[:20]]  # fmt: skip
+              e(r.method), e(r.outcome), e(_seconds(r.duration))] for r in detail.slowest]  # fmt: skip
     parts.append("<h2>Slowest calls</h2>" + _table(("action", "mnemonic", "target", "call", "outcome", "took"), srows))
-    if failed:
+    if detail.failed:
         frows = [[_action_link(r.digest, instance), f"<code>{e(r.mnemonic)}</code>", f"<code>{e(r.target)}</code>",
-                  e(r.method), e(r.code)] for r in failed]  # fmt: skip
+                  e(r.method), e(r.code)] for r in detail.failed]  # fmt: skip
         parts.append("<h2>Failed calls</h2>" + _table(("action", "mnemonic", "target", "call", "status"), frows))
     if events:
         erows = [
@@ -638,11 +627,22 @@ def _render_invocation(summary: InvocationSummary, rows: list[Row], events: list
             for _, kind, label, status, d in events
         ]
         parts.append("<h2>Build events</h2>" + _table(("event", "label", "status", "detail"), erows, "events"))
-    mrows2 = []
-    for key, r in misses.items():
-        url = f"/explain/{quote(_digest_url(key))}{_q(instance=instance, invocation=i.id)}"
-        mrows2.append([_action_link(key, instance), f"<code>{e(r.mnemonic)}</code>", f"<code>{e(r.target)}</code>",
-                       f'<a class="why" href="{e(url)}">why did it miss?</a>'])  # fmt: skip
-    listing = _table(("action", "mnemonic", "target", ""), mrows2, "misses") if mrows2 else "<p>none</p>"
-    parts.append(f"<h2>Misses ({len(misses):,})</h2>" + listing)
+    # Built straight, one string per miss: an invocation may list thousands (the first MISS_PAGE
+    # unless ?misses=all).
+    explain_query = e(_q(instance=instance, invocation=i.id))
+    shown = detail.misses if all_misses else detail.misses[:MISS_PAGE]
+    lines = []
+    for key, mnemonic, target in shown:
+        path = _digest_url(key) if _PLAIN_DIGEST.fullmatch(key) else quote(_digest_url(key))
+        lines.append(
+            f'<tr><td><a class="why" href="/explain/{path}{explain_query}">{e(key[:12])}…</a></td>'
+            f"<td><code>{e(mnemonic)}</code></td><td><code>{e(target)}</code></td></tr>"
+        )
+    head = "<thead><tr><th>why did it miss?</th><th>mnemonic</th><th>target</th></tr></thead>"
+    listing = f'<table class="misses">{head}<tbody>\n' + "\n".join(lines) + "\n</tbody></table>"
+    more = ""
+    if len(shown) < len(detail.misses):
+        url = f"/invocation/{quote(i.id, safe='')}?misses=all"
+        more = f'<p>The first {len(shown):,} of {len(detail.misses):,}: <a href="{e(url)}">every miss</a></p>'
+    parts.append(f"<h2>Misses ({len(detail.misses):,})</h2>" + (more + listing if lines else "<p>none</p>"))
     return "\n".join(parts)
