@@ -153,3 +153,42 @@ def test_an_audit_log_that_cannot_be_written_stops_the_start(tmp_path):
     wait_for(lambda: not server.running, 10, "the server to exit")
     assert "audit_log" in server.output()
 
+
+
+async def test_an_accepted_execute_is_audited_with_its_caller(tmp_path):
+    from execution_client import ActionSpec, execute, final_response
+
+    tokens = tmp_path / "tokens"
+    runner = new_token(tokens, "runner")
+    access = tmp_path / "access.toml"
+    access.write_text('[[grant]]\nprincipal = "runner"\npermissions = ["read", "write", "execute"]\n')
+    log = tmp_path / "audit.jsonl"
+    args = ["--local-workers", "1", "--token-file", str(tokens), "--access-file", str(access), "--audit-log", str(log)]
+    with ServerProcess(tmp_path / "data", extra_args=args) as server:
+        metadata = (("authorization", bearer(runner)),)
+        async with grpc.aio.insecure_channel(
+            server.grpc_address, options=CLIENT_OPTIONS, interceptors=_with(metadata)
+        ) as channel:
+            spec = ActionSpec(["/bin/sh", "-c", "echo audited"], salt=b"audit-exec")
+            action_digest = await spec.upload(make_stubs(channel))
+            response = final_response(await execute(channel, action_digest, skip_cache_lookup=True))
+            assert response.status.code == 0 and response.result.exit_code == 0
+        wait_for(lambda: any(e["kind"] == "execute" for e in entries(log)), 20, "the execute line")
+    executed = [e for e in entries(log) if e["kind"] == "execute"]
+    assert len(executed) == 1
+    assert executed[0]["principal"] == "runner" and executed[0]["skip_cache_lookup"] is True
+    assert executed[0]["digest"] == f"{action_digest.hash}/{action_digest.size_bytes}"
+
+
+def _with(metadata):  # type: ignore[no-untyped-def]
+    """Client interceptors adding `metadata` to every unary and server-streaming call."""
+
+    class Unary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+            return await continuation(details._replace(metadata=list(details.metadata or ()) + list(metadata)), request)
+
+    class Stream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+            return await continuation(details._replace(metadata=list(details.metadata or ()) + list(metadata)), request)
+
+    return [Unary(), Stream()]

@@ -2,11 +2,12 @@
 
 Every ActionCache update (gRPC UpdateActionResult, HTTP PUT of an action entry: Bazel's results,
 ccache's entries, buildvault's pin index and artifact entries) and every Remote Asset push is
-one JSON line, appended once the write succeeded:
+one JSON line, appended once the write succeeded; an Execute is one line when it is accepted
+(kind `execute`: the server writes its result to the ActionCache for that caller):
 
     {"time": "2026-12-06T01:02:03.456Z", "ts": 1796...,  "principal": "oidc:host:repo:org/x:ref:...",
      "claims": {"repository": "org/x", "ref": "refs/heads/main", "run_id": "42", ...},
-     "kind": "action_result" | "ac_entry" | "pin" | "artifact" | "asset",
+     "kind": "action_result" | "ac_entry" | "pin" | "artifact" | "asset" | "execute",
      "protocol": "grpc" | "http", "instance": "csrc", "digest": "<sha256>/<size>" (HTTP: "<sha256>"),
      "client": "ipv4:10.0.0.7:51234", "method": "UpdateActionResult"}
 
@@ -170,7 +171,8 @@ def _hex(hash_: str) -> str:
 
 
 def grpc_write(audit: AuditLog, method: str, caller: Caller | None, request: Any, peer: str | None) -> None:
-    """Record a successful gRPC write: UpdateActionResult, or a Remote Asset PushBlob/PushDirectory."""
+    """Record a successful gRPC write: UpdateActionResult, a Remote Asset PushBlob/PushDirectory, or
+    an accepted Execute (whose result the server writes)."""
     from buildvault.pins import INDEX_DIGEST
 
     name = method.rpartition("/")[2]
@@ -190,6 +192,14 @@ def grpc_write(audit: AuditLog, method: str, caller: Caller | None, request: Any
             kind = "action_result"
         text = f"{_hex(digest.hash)}/{digest.size_bytes}"
         audit.record_write(kind, caller, protocol="grpc", instance=instance, digest=text, client=peer, method=name)
+        return
+    if name == "Execute":  # accepted: the server writes the result unless the Action forbids it
+        digest = request.action_digest
+        text = f"{_hex(digest.hash)}/{digest.size_bytes}"
+        audit.record_write(
+            "execute", caller, protocol="grpc", instance=instance, digest=text, client=peer, method=name,
+            skip_cache_lookup=bool(request.skip_cache_lookup),
+        )  # fmt: skip
         return
     digest = request.blob_digest if name == "PushBlob" else request.root_directory_digest
     uris = [str(u)[:512] for u in list(request.uris)[:4]]

@@ -60,6 +60,7 @@ _RULES: dict[str, tuple[Permission, str | None]] = {
     _BES + "PublishBuildToolEventStream": (Permission.WRITE, None),
 }
 _CAPABILITIES = _RE + "Capabilities/GetCapabilities"
+_EXECUTE = _RE + "Execution/Execute"
 # Writes of entries (not of content-addressed blobs) go to the audit log once they succeed.
 _AUDITED = frozenset({_RE + "ActionCache/UpdateActionResult", _RA + "Push/PushBlob", _RA + "Push/PushDirectory"})
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -200,17 +201,24 @@ class _Check:
 
     def unary_stream(self, behaviour: Callable[..., Any], *, streaming_requests: bool = False) -> Callable[..., Any]:
         """Also stream_stream (`streaming_requests`: the check sees no request, any instance will do)."""
+        # An accepted Execute is audited when it starts: the server writes its result to the
+        # ActionCache on behalf of this caller.
+        audit = self.auth.audit if self.method == _EXECUTE else None
         if inspect.isasyncgenfunction(behaviour):
 
             async def generator(request: Any, context: Context) -> AsyncIterator[Any]:
-                await self.run(None if streaming_requests else request, context)
+                caller = await self.run(None if streaming_requests else request, context)
+                if audit is not None:
+                    grpc_write(audit, self.method, caller, request, context.peer())
                 async for response in behaviour(request, context):
                     yield response
 
             return generator
 
         async def writing(request: Any, context: Context) -> Any:
-            await self.run(None if streaming_requests else request, context)
+            caller = await self.run(None if streaming_requests else request, context)
+            if audit is not None:
+                grpc_write(audit, self.method, caller, request, context.peer())
             return await behaviour(request, context)
 
         return writing
