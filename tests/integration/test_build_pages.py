@@ -146,3 +146,19 @@ async def test_bad_requests_get_precise_errors(server, url: str, status: int) ->
     _, _, http = server
     body = await _text(http, url, status)
     assert "<b>" not in body
+
+
+async def test_http_action_cache_calls_are_recorded_without_metadata(server) -> None:
+    app, stubs, http = server
+    key = "c" * 64
+    async with http.get(f"/ac/{key}") as response:
+        assert response.status == 404
+    body = re_pb2.ActionResult(exit_code=3).SerializeToString()
+    async with http.put(f"/ac/{key}", data=body) as response:
+        assert response.status == 200
+    async with http.get(f"/ac/{key}") as response:
+        assert response.status == 200
+    await app.services.history.flush()
+    rows = app.services.history.store.requests_for(f"{key}/0")
+    assert sorted((r.protocol, r.method, r.outcome, r.invocation) for r in rows) == [
+        ("http", "ac_get", "hit", ""), ("http", "ac_get", "miss", ""), ("http", "ac_update", "upload", "")]  # fmt: skip

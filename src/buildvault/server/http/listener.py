@@ -20,6 +20,7 @@ from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
 from buildvault.server.http.build_pages import DEFAULT_SECRET_PATTERNS, BuildPages
 from buildvault.server.http.handlers import DEFAULT_MAX_ENTRY_SIZE, CacheHandlers
 from buildvault.server.http.protocol import REQUEST_KIND, parse_cache_path
+from buildvault.server.http.recorded import history_middleware
 from buildvault.server.http.status import StatusPages
 from buildvault.server.metrics import Metrics, http_method_label
 from buildvault.server.services import Services, StartupError, StatsSource, format_address
@@ -128,6 +129,8 @@ def create_app(
     middlewares = [_request_middleware(metrics)]
     if auth is not None and auth.enabled:  # inside the request log/metrics middleware: refusals are counted
         middlewares.append(auth_middleware(auth, _route))
+    if history is not None:  # inside access control: a refused request is not recorded
+        middlewares.append(history_middleware(history))
     app = web.Application(middlewares=middlewares)
     app[HANDLERS_KEY] = handlers
     app.router.add_get(HEALTHZ, healthz)  # always open
