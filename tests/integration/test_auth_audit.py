@@ -154,7 +154,6 @@ def test_an_audit_log_that_cannot_be_written_stops_the_start(tmp_path):
     assert "audit_log" in server.output()
 
 
-
 async def test_an_accepted_execute_is_audited_with_its_caller(tmp_path):
     from execution_client import ActionSpec, execute, final_response
 
@@ -192,3 +191,34 @@ def _with(metadata):  # type: ignore[no-untyped-def]
             return await continuation(details._replace(metadata=list(details.metadata or ()) + list(metadata)), request)
 
     return [Unary(), Stream()]
+
+
+async def test_processes_share_the_audit_log_line_by_line(tmp_path):
+    """`--processes 2`: the primary and the secondary append to one file; every write is one
+    whole line (O_APPEND, one write per batch), none lost or torn."""
+    import asyncio
+
+    from test_processes import many, served
+
+    log = tmp_path / "audit.jsonl"
+    server = ServerProcess(
+        tmp_path / "data", extra_args=["--processes", "2", "--local-workers", "0", "--audit-log", str(log)]
+    )
+    with server:
+        async with many(server.grpc_address) as clients:
+
+            async def writes(stubs) -> list[str]:  # type: ignore[no-untyped-def]
+                out = []
+                for _ in range(15):
+                    action, code = await grpc_update(stubs, None)
+                    assert code == grpc.StatusCode.OK
+                    out.append(f"{action.hash}/{action.size_bytes}")
+                return out
+
+            written = [d for part in await asyncio.gather(*(writes(s) for s in clients)) for d in part]
+        # Both processes served writes (the secondary's counts reach /metrics a moment later).
+        wait_for(lambda: served(server)[0] > 0 and served(server)[1] > 0, 20, "writes in both processes")
+    # The server has stopped: both processes wrote their last batch on the way out.
+    lines = log.read_text().splitlines()
+    assert len(lines) == len(written)
+    assert sorted(json.loads(line)["digest"] for line in lines) == sorted(written)
