@@ -164,3 +164,26 @@ async def test_hostile_split_and_splice_requests_get_precise_errors_and_store_no
     # Split of an absent blob.
     await expect(cas.SplitBlob(re_pb2.SplitBlobRequest(blob_digest=wrong)), grpc.StatusCode.NOT_FOUND)
     assert await missing(stubs, [wrong, whole]) == {(wrong.hash, 3000), (whole.hash, 3000)}
+
+
+async def test_blobs_kept_as_chunks_are_still_served_after_chunking_is_turned_off(buildvault_server_factory) -> None:
+    from reapi_client import make_stubs
+
+    server = buildvault_server_factory()
+    data = random.Random(5).randbytes(3 * MAX)
+    async with grpc.aio.insecure_channel(server.grpc_address) as channel:
+        await write(make_stubs(channel), data, chunk=1 << 20)
+    server.stop()
+    server.extra_args = ["--chunking", "false"]
+    server.start()
+    async with grpc.aio.insecure_channel(server.grpc_address) as channel:
+        stubs = make_stubs(channel)
+        assert not (await capabilities(stubs)).split_blob_support
+        assert await missing(stubs, [digest(data)]) == set()
+        assert await read(stubs, digest(data)) == data
+        # New large blobs now go whole: one file of their own, as before chunking.
+        other = random.Random(6).randbytes(3 * MAX)
+        await write(stubs, other, chunk=1 << 20)
+        assert await read(stubs, digest(other)) == other
+    whole = digest(other)
+    assert (server.data_dir / "cas" / "sha256" / whole.hash[:2] / f"{whole.hash}-{whole.size_bytes}").is_file()

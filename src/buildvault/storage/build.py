@@ -194,9 +194,13 @@ async def open_store_stack(
         if isinstance(exc, (OSError, StorageError)):
             raise StackError(f"cannot open the object-store tier: {exc}") from exc
         raise
-    if settings.chunking:
-        stack.chunks = ChunkedBlobStore(stack.blobs, stack.actions, threshold=settings.chunking_threshold)
-        stack.blobs = stack.chunks
+    # Always in the stack: with chunking off new blobs go whole, but blobs kept as chunks while it
+    # was on are still served. Only with it on are SplitBlob/SpliceBlob offered (stack.chunks).
+    chunked = ChunkedBlobStore(
+        stack.blobs, stack.actions, threshold=settings.chunking_threshold, chunk_writes=settings.chunking
+    )
+    stack.chunks = chunked if settings.chunking else None
+    stack.blobs = chunked
     stack.blobs = EmptyBlobStore(stack.blobs)
     if recorder is not None:
         stack.blobs = MeteredBlobStore(stack.blobs, recorder, CLIENT_TIER)

@@ -63,11 +63,14 @@ class ChunkedBlobStore(ForwardingBlobStore):
         lists: ActionStore,
         params: ChunkingParams | None = None,
         threshold: int = DEFAULT_THRESHOLD,
+        chunk_writes: bool = True,
     ) -> None:
         super().__init__(inner)
         self.lists = lists
         self.params = params or ChunkingParams()
         self.threshold = threshold
+        # False (`--chunking false`): new blobs go whole, blobs kept as chunks before are still served.
+        self.chunk_writes = chunk_writes
         # What the status page shows: bytes clients stored, and chunk bytes this process added.
         self.logical_bytes = 0
         self.stored_chunk_bytes = 0
@@ -170,13 +173,13 @@ class ChunkedBlobStore(ForwardingBlobStore):
         return list(await asyncio.gather(*(one(d) for d in digests)))
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
-        if digest.size_bytes < self.threshold:
+        if digest.size_bytes < self.threshold or not self.chunk_writes:
             await self.inner.write(digest, chunks)
             return
         await self._write_chunked(digest, chunks)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        if all(d.size_bytes < self.threshold for d, _ in items):
+        if not self.chunk_writes or all(d.size_bytes < self.threshold for d, _ in items):
             return await self.inner.write_blobs(items)
 
         async def one(digest: Digest, data: bytes) -> Exception | None:
