@@ -5,7 +5,8 @@ and unlinks in flight (at most one per key, so the index never says "present" fo
 eviction is about to remove, nor the reverse). Those maps, the publish tasks and the suspects
 change only through its methods: reserving space (evicting first), claiming a key, starting and
 finishing a publish, deleting, dropping a damaged or vanished entry, re-checking suspects. The
-write and read paths (writes.py, reads.py) read that state but change it only through them.
+write and read paths (writes.py, reads.py) read those maps but change them only through these
+methods; the index they change through its own (`touch`, `Reservation`, the AC memory's `put`).
 
 Healing: a read that finds a file gone or damaged drops its entry at once (reads.py). A lookup by
 hash alone (bazel-remote's GET /cas/{hash}) knows no size, so it cannot name the entry; it records
