@@ -14,7 +14,6 @@ miss or a mismatch exits 1 with the reason on stderr (2: usage).
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import os
 import sys
@@ -26,7 +25,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from buildvault.client.remote import RemoteError, channel_credentials, parse_remote, token_from_env
+from buildvault.assets.request import SRI_QUALIFIER, Checksum
+from buildvault.client.remote import RemoteError, TokenSource, open_channel
 from buildvault.digest import Digest
 from buildvault.remote_apis import bs_grpc, bs_pb2, ra_grpc, ra_pb2, re_grpc, re_pb2
 
@@ -59,24 +59,23 @@ def _say(text: str) -> None:
 
 
 def _sri(raw: bytes) -> str:
-    return "sha256-" + base64.b64encode(raw).decode()
+    return Checksum("sha256", raw).sri
 
 
 class _Client:
     def __init__(self, remote: str, instance: str, timeout: float) -> None:
-        target = parse_remote(remote)
-        if remote.strip().startswith("grpcs://"):
-            self.channel = grpc.secure_channel(target, channel_credentials())
-        else:
-            self.channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
-        token = token_from_env()
-        self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self.channel = open_channel(remote)
+        self.tokens = TokenSource()
         self.instance = instance
         self.timeout = timeout
         self.fetch = ra_grpc.FetchStub(self.channel)
         self.push = ra_grpc.PushStub(self.channel)
         self.bytestream = bs_grpc.ByteStreamStub(self.channel)
         self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.tokens.metadata()
 
     def close(self) -> None:
         self.channel.close()
@@ -157,7 +156,7 @@ def _fetch(client: _Client, args: argparse.Namespace) -> int:
     request = ra_pb2.FetchBlobRequest(
         instance_name=client.instance,
         uris=args.urls,
-        qualifiers=[ra_pb2.Qualifier(name="checksum.sri", value=_sri(raw))],
+        qualifiers=[ra_pb2.Qualifier(name=SRI_QUALIFIER, value=_sri(raw))],
     )
     answer = client.fetch.FetchBlob(request, timeout=args.timeout, metadata=client.metadata)
     client.read_to(answer.blob_digest, output, raw)
@@ -174,7 +173,7 @@ def _push(client: _Client, args: argparse.Namespace) -> int:
     request = ra_pb2.PushBlobRequest(
         instance_name=client.instance,
         uris=args.uri,
-        qualifiers=[ra_pb2.Qualifier(name="checksum.sri", value=_sri(bytes.fromhex(digest.hash)))],
+        qualifiers=[ra_pb2.Qualifier(name=SRI_QUALIFIER, value=_sri(bytes.fromhex(digest.hash)))],
         blob_digest=digest.to_proto(re_pb2.Digest),
     )
     client.push.PushBlob(request, timeout=args.timeout, metadata=client.metadata)

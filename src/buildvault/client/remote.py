@@ -53,21 +53,6 @@ def parse_remote(url: str) -> str:
     return url
 
 
-def token_from_env(env: dict[str, str] | None = None) -> str | None:
-    """BUILDVAULT_TOKEN, else the contents of BUILDVAULT_TOKEN_FILE (stripped); None when neither."""
-    env = dict(os.environ) if env is None else env
-    if env.get("BUILDVAULT_TOKEN"):
-        return env["BUILDVAULT_TOKEN"].strip()
-    path = env.get("BUILDVAULT_TOKEN_FILE")
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError as e:
-        raise RemoteError(f"BUILDVAULT_TOKEN_FILE={path}: {e.strerror or e}") from None
-
-
 class TokenSource:
     """The bearer token to send: `BUILDVAULT_TOKEN`, or `BUILDVAULT_TOKEN_FILE` read again whenever
     the file changes (inode, size or mtime), so a long-lived process (buildvault-cc's agent, a
@@ -129,6 +114,15 @@ def channel_credentials(env: dict[str, str] | None = None) -> grpc.ChannelCreden
         raise RemoteError(f"BUILDVAULT_TLS_CA={path}: {e.strerror or e}") from None
 
 
+def open_channel(url: str, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
+    """A channel to `grpc://host:port` (plain) or `grpcs://host:port` (TLS: channel_credentials)."""
+    target = parse_remote(url)
+    options = [("grpc.enable_http_proxy", 0)] if options is None else options
+    if url.strip().startswith("grpcs://"):
+        return grpc.secure_channel(target, channel_credentials(), options=options)
+    return grpc.insecure_channel(target, options=options)
+
+
 def _error(call: str, e: grpc.RpcError) -> RemoteError:
     kind = PermissionDenied if e.code() == grpc.StatusCode.PERMISSION_DENIED else RemoteError
     return kind(f"{call}: {e.code().name}: {e.details()}")
@@ -152,10 +146,7 @@ class Remote:
             ("grpc.max_reconnect_backoff_ms", 2000),
             ("grpc.enable_http_proxy", 0),
         ]
-        if url.strip().startswith("grpcs://"):
-            self.channel = grpc.secure_channel(self.target, channel_credentials(), options=options)
-        else:
-            self.channel = grpc.insecure_channel(self.target, options=options)
+        self.channel = open_channel(url, options)
         self.tokens = TokenSource()
         self.ac = re_grpc.ActionCacheStub(self.channel)
         self.cas = re_grpc.ContentAddressableStorageStub(self.channel)
