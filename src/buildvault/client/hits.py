@@ -21,7 +21,7 @@ from . import includes
 from .invocation import no_request_metadata
 from .keys import EXACT, ActionKey, FileHasher, Prepared, Uncacheable, action_key
 from .outputs import write_output
-from .remote import Remote, RemoteError, from_proto
+from .remote import Remote, RemoteError
 
 Entry = dict[str, Any]
 
@@ -169,7 +169,7 @@ class HitFinder:
         out: list[bytes | None] = []
         fetch = []
         for f in files:
-            digest = from_proto(f.digest) if f.digest.hash else None
+            digest = Digest.from_proto(f.digest) if f.digest.hash else None
             if digest is None:
                 out.append(f.contents)  # e.g. stdout_raw without a digest
             elif f.contents or digest.size_bytes == 0:
@@ -182,4 +182,5 @@ class HitFinder:
         if not fetch:
             return [data or b"" for data in out]
         blobs = self.remote.download(fetch)
-        return [blobs[from_proto(f.digest)] if data is None else data for f, data in zip(files, out, strict=True)]
+        pairs = zip(files, out, strict=True)
+        return [blobs[Digest.from_proto(f.digest)] if data is None else data for f, data in pairs]

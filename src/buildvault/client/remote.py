@@ -21,7 +21,7 @@ import grpc
 
 from buildvault.client.chunked import CHUNKED_MIN_SIZE, ChunkCache, chunking_of, chunks_of, default_chunk_cache
 from buildvault.client.invocation import current_metadata
-from buildvault.digest import Digest, DigestFunction
+from buildvault.digest import Digest
 from buildvault.remote_apis import bs_grpc, bs_pb2, re_grpc, re_pb2
 from buildvault.storage.chunks.chunker import ChunkingParams
 
@@ -128,10 +128,6 @@ def _error(call: str, e: grpc.RpcError) -> RemoteError:
     return kind(f"{call}: {e.code().name}: {e.details()}")
 
 
-def from_proto(p: re_pb2.Digest) -> Digest:
-    return Digest.parse(p.hash, p.size_bytes, DigestFunction.SHA256)
-
-
 class Remote:
     def __init__(self, url: str, instance: str = "", timeout: float = 5.0, upload_timeout: float = 30.0):
         self.target = parse_remote(url)
@@ -224,7 +220,7 @@ class Remote:
                 response = self.cas.FindMissingBlobs(request, timeout=self.upload_timeout, metadata=self.metadata)
             except grpc.RpcError as e:
                 raise RemoteError(f"FindMissingBlobs: {e.code().name}: {e.details()}") from None
-            missing.update(from_proto(d) for d in response.missing_blob_digests)
+            missing.update(Digest.from_proto(d) for d in response.missing_blob_digests)
         if len(self.present) > 1_000_000:
             self.present.clear()
         for d in unique:
@@ -279,7 +275,7 @@ class Remote:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise RemoteError(f"SplitBlob: blob {digest} not found") from None
             return None
-        listed = [from_proto(d) for d in reply.chunk_digests]
+        listed = [Digest.from_proto(d) for d in reply.chunk_digests]
         have = self.download(listed, whole=True)  # the chunk cache answers what it holds
         return b"".join(have[d] for d in listed)
 
@@ -398,7 +394,7 @@ class Remote:
         for r in response.responses:
             if r.status.code != 0:
                 raise RemoteError(f"BatchReadBlobs: blob {r.digest.hash}: code {r.status.code}: {r.status.message}")
-            out[from_proto(r.digest)] = r.data
+            out[Digest.from_proto(r.digest)] = r.data
             self.bytes_downloaded += len(r.data)
         if len(out) != len(batch):
             raise RemoteError("BatchReadBlobs: incomplete answer")

@@ -170,7 +170,7 @@ class Executor:
             log.exception("cannot store a worker log")
             return
         response.server_logs["worker"].CopyFrom(
-            re_pb2.LogFile(digest=re_pb2.Digest(hash=digest.hash, size_bytes=digest.size_bytes), human_readable=True)
+            re_pb2.LogFile(digest=digest.to_proto(re_pb2.Digest), human_readable=True)
         )
 
     # -- watching, cancelling -------------------------------------------------------------

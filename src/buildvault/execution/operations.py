@@ -31,7 +31,7 @@ def operation_message(
     """The google.longrunning.Operation clients see: `done` with the response, else the stage."""
     metadata = re_pb2.ExecuteOperationMetadata(
         stage=stage,  # type: ignore[arg-type]
-        action_digest=re_pb2.Digest(hash=action_digest.hash, size_bytes=action_digest.size_bytes),
+        action_digest=action_digest.to_proto(re_pb2.Digest),
     )
     operation = operations_pb2.Operation(name=name)
     operation.metadata.Pack(metadata)

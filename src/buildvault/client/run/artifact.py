@@ -22,7 +22,7 @@ from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 
 from ..keys import FileHasher
-from ..remote import Remote, RemoteError, from_proto
+from ..remote import Remote, RemoteError
 from ..roots import Roots
 from .key import InputWalker
 from .outputs import UnusableResult, add_tree, restore
@@ -275,11 +275,11 @@ def unpin(args: argparse.Namespace, env: Mapping[str, str], remote: Remote) -> i
 def list_pins(args: argparse.Namespace, env: Mapping[str, str], remote: Remote) -> int:
     index = _read_index(remote)
     keys = {f.path[: -len(".key")]: f.digest for f in index.output_files if f.path.endswith(".key")}
-    key_text = remote.download([from_proto(d) for d in keys.values()]) if keys else {}
+    key_text = remote.download([Digest.from_proto(d) for d in keys.values()]) if keys else {}
     for path in sorted(pins.pinned_trees(index)):
         name, _, label = path.partition("/")
         d = keys.get(path)
-        key = key_text[from_proto(d)].decode() if d is not None else "?"
+        key = key_text[Digest.from_proto(d)].decode() if d is not None else "?"
         print(f"{name}\t{label}\t{key}")
     return HIT
 

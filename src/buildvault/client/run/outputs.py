@@ -15,7 +15,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.digest import Digest, InvalidDigest
 from buildvault.remote_apis import re_pb2
 
 from ..roots import Roots
@@ -131,7 +131,7 @@ def clean_relative(path: str) -> bool:
 
 def _digest(message: re_pb2.Digest, what: str) -> Digest:
     try:
-        return Digest.parse(message.hash, message.size_bytes, DigestFunction.SHA256)
+        return Digest.from_proto(message)
     except InvalidDigest as e:
         raise UnusableResult(f"{what}: {e}") from None
 

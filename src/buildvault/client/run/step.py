@@ -22,7 +22,7 @@ from buildvault.client.invocation import invocation_id, no_request_metadata, req
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
-from ..remote import Remote, RemoteError, from_proto
+from ..remote import Remote, RemoteError
 from .key import StepKey, step_key
 from .lock import KeyLock
 from .outputs import Collected, OutputError, UnusableResult, collect, discovered, restore, snapshot
@@ -126,7 +126,7 @@ class Step(StepReport):
             if raw or not has or not digest.hash:
                 out.append(raw)
                 continue
-            d = from_proto(digest)
+            d = Digest.from_proto(digest)
             out.append(remote.download([d])[d])
         return out[0], out[1]
 

@@ -30,7 +30,7 @@ def _name(name: str) -> str:
 
 
 def _digest(message: re_pb2.Digest) -> Digest:
-    return Digest.parse(message.hash, message.size_bytes)
+    return Digest.from_proto(message)
 
 
 def fetch_tree(source: BlobSource, root: Digest) -> dict[Digest, re_pb2.Directory]:

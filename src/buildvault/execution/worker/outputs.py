@@ -29,7 +29,7 @@ class Collected:
     def add_blob(self, data: bytes) -> re_pb2.Digest:
         digest = Digest.of(data)
         self.blobs.setdefault(digest, data)
-        return re_pb2.Digest(hash=digest.hash, size_bytes=digest.size_bytes)
+        return digest.to_proto(re_pb2.Digest)
 
 
 def _executable(mode: int) -> bool:
