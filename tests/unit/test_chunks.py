@@ -96,6 +96,20 @@ async def test_two_blobs_sharing_content_store_it_once() -> None:
     assert await read_all(store, Digest.of(base)) == base
 
 
+async def test_batches_store_large_blobs_as_chunks_and_read_them_back() -> None:
+    store = chunked_memory()
+    large, small = random.Random(2).randbytes(100_000), b"small"
+    wrong = Digest(hashlib.sha256(b"other").hexdigest(), 50_000)  # a large blob whose bytes do not match
+    items = [(Digest.of(large), large), (Digest.of(small), small), (wrong, random.Random(3).randbytes(50_000))]
+    outcomes = await store.write_blobs(items)
+    assert outcomes[:2] == [None, None] and isinstance(outcomes[2], DigestMismatch)
+    assert await store.lists.get(NAMESPACE, Digest.of(large))  # the chunk list: stored as chunks
+    inner = store.inner
+    assert isinstance(inner, MemoryBlobStore) and Digest.of(large) not in inner._blobs
+    read = await store.read_blobs([Digest.of(large), Digest.of(small), wrong])
+    assert read[:2] == [large, small] and isinstance(read[2], NotFound)
+
+
 @pytest.mark.parametrize("offset,limit", [(0, 0), (1, 0), (5000, 1), (4095, 20_000), (199_999, 0), (200_000, 0)])
 async def test_ranges_of_a_chunked_blob_read_the_right_bytes(offset: int, limit: int) -> None:
     store = chunked_memory()

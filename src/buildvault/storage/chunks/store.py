@@ -31,7 +31,9 @@ from buildvault.storage import (
     InvalidRange,
     NotFound,
     ac_namespace,
+    read_blobs_one_by_one,
     single_chunk,
+    write_blobs_one_by_one,
 )
 from buildvault.storage.chunks.chunker import ChunkingParams, Piece, cut_stream
 from buildvault.storage.decorator import ForwardingBlobStore
@@ -163,14 +165,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
         if all(d.size_bytes < self.threshold for d in digests):
             return await self.inner.read_blobs(digests)
-
-        async def one(digest: Digest) -> bytes | Exception:
-            try:
-                return b"".join([data async for data in await self.read(digest)])
-            except Exception as exc:  # that blob's outcome
-                return exc
-
-        return list(await asyncio.gather(*(one(d) for d in digests)))
+        return await read_blobs_one_by_one(self, digests)
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
         if digest.size_bytes < self.threshold or not self.chunk_writes:
@@ -181,15 +176,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         if not self.chunk_writes or all(d.size_bytes < self.threshold for d, _ in items):
             return await self.inner.write_blobs(items)
-
-        async def one(digest: Digest, data: bytes) -> Exception | None:
-            try:
-                await self.write(digest, single_chunk(data))
-                return None
-            except Exception as exc:  # that blob's outcome
-                return exc
-
-        return list(await asyncio.gather(*(one(d, data) for d, data in items)))
+        return await write_blobs_one_by_one(self, items)
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         try:
