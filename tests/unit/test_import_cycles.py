@@ -99,6 +99,18 @@ def test_the_graph_sees_the_imports_it_must_see() -> None:
     assert "buildvault.storage" in graph["buildvault.storage.disk.core"]  # a name of a package's __init__
 
 
+def test_the_graph_covers_the_newer_packages_and_their_local_imports() -> None:
+    graph = import_graph()
+    # One module of each package this round added, with an import it makes (local ones included).
+    assert "buildvault.assets.request" in graph["buildvault.assets.service"]
+    assert "buildvault.assets.service" in graph["buildvault.assets"]  # inside build_assets()
+    assert "buildvault.history.store" in graph["buildvault.history.recorder"]
+    assert "buildvault.storage.chunks.chunker" in graph["buildvault.storage.chunks.store"]
+    assert "buildvault.server.auth.credentials" in graph["buildvault.server.auth.oidc"]
+    assert "buildvault.pins" in graph["buildvault.server.auth.audit"]  # inside a function
+    assert "buildvault.client.ci_token" in graph["buildvault.server.auth.tokens"]  # inside a function
+
+
 def test_the_cycle_finder_finds_loops_of_any_length() -> None:
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
