@@ -162,3 +162,23 @@ async def test_http_action_cache_calls_are_recorded_without_metadata(server) -> 
     rows = app.services.history.store.requests_for(f"{key}/0")
     assert sorted((r.protocol, r.method, r.outcome, r.invocation) for r in rows) == [
         ("http", "ac_get", "hit", ""), ("http", "ac_get", "miss", ""), ("http", "ac_update", "upload", "")]  # fmt: skip
+
+
+async def test_secret_patterns_are_a_list_setting_spaces_after_commas_included(tmp_path) -> None:
+    settings = Settings(dir=tmp_path / "data", grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
+                        local_workers="0", processes=1, history_secret_patterns="*TOKEN*, MY_*")  # fmt: skip
+    app = App(settings, blobs=MemoryBlobStore(), actions=MemoryActionStore())
+    await app.start()
+    try:
+        async with (
+            grpc.aio.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS) as channel,
+            aiohttp.ClientSession(f"http://{app.http_address}") as http,
+        ):
+            env = {"MY_PASSPHRASE": "swordfish-value", "PLAIN": "shown-value"}
+            built = build_action(SOURCES, ARGS, OUT, env=env)
+            await _run(make_stubs(channel), built, "inv-s", "//pkg:a", b"object\n")
+            action = await _text(http, f"/action/{key(built.action)}")
+            assert "MY_PASSPHRASE" in action and "swordfish" not in action  # the pattern after ", "
+            assert "shown-value" in action
+    finally:
+        await app.stop(grace=1)

@@ -38,6 +38,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
 from buildvault.assets.request import Checksum
+from buildvault.config import parse_list
 from buildvault.digest import Digest, DigestFunction, new_hasher
 from buildvault.storage import BlobStore, DigestMismatch
 
@@ -111,7 +112,7 @@ class OriginRules:
 
     @classmethod
     def parse_hosts(cls, text: str) -> frozenset[str]:
-        return frozenset(h.strip().strip("[]").lower().rstrip(".") for h in text.split(",") if h.strip())
+        return frozenset(h.strip("[]").lower().rstrip(".") for h in parse_list(text))
 
     def exempt(self, host: str) -> bool:
         """May this host (as written) reach a private address?"""

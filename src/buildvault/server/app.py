@@ -22,7 +22,7 @@ from typing import Any
 from buildvault import logs
 from buildvault.actions import ActionCache, entry_is_intact
 from buildvault.assets import build_assets
-from buildvault.config import Settings
+from buildvault.config import Settings, parse_list
 from buildvault.execution.runtime import ExecutionRuntime, ExecutionSetupError
 from buildvault.history import Recorder, recorder_from_settings
 from buildvault.private_socket import private_socket, remove_private_socket
@@ -121,7 +121,7 @@ class App:
                 pins=stack.pins.listing if stack.pins is not None else None,
                 auth=self.auth,
                 history=await self._open_history(),
-                secret_patterns=tuple(p for p in self.settings.history_secret_patterns.split(",") if p.strip()),
+                secret_patterns=parse_list(self.settings.history_secret_patterns),
                 chunks=stack.chunks,
                 assets=build_assets(self.settings, blobs, actions, self.metrics),
             )
