@@ -62,13 +62,8 @@ def server(tmp_path_factory):
     tokens, users = d / "tokens", d / "htpasswd"
     new_token(tokens, "ci")
     htpasswd(users, "alice", "alice-pw")
-    process = ServerProcess(d / "data", extra_args=["--token-file", str(tokens), "--htpasswd-file", str(users)])
-    process.start()
-    yield process
-    try:
-        process.stop()
-    finally:
-        process.kill()
+    with ServerProcess(d / "data", extra_args=["--token-file", str(tokens), "--htpasswd-file", str(users)]) as process:
+        yield process
 
 
 async def test_grpc_hostile_authorization_values(server):

@@ -59,13 +59,8 @@ def creds(tmp_path_factory) -> Creds:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, creds):
-    process = ServerProcess(tmp_path_factory.mktemp("auth") / "data", extra_args=creds.args(), log_level="debug")
-    process.start()
-    yield process
-    try:
-        process.stop()
-    finally:
-        process.kill()
+    with ServerProcess(tmp_path_factory.mktemp("auth") / "data", extra_args=creds.args(), log_level="debug") as process:
+        yield process
 
 
 @pytest.fixture

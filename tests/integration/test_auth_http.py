@@ -34,13 +34,8 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, files):
-    process = ServerProcess(tmp_path_factory.mktemp("http") / "data", extra_args=files["args"])
-    process.start()
-    yield process
-    try:
-        process.stop()
-    finally:
-        process.kill()
+    with ServerProcess(tmp_path_factory.mktemp("http") / "data", extra_args=files["args"]) as process:
+        yield process
 
 
 def call(server, method: str, path: str, authorization: str | None = None, body: bytes | None = None):

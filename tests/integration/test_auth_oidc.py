@@ -87,13 +87,9 @@ def setup(tmp_path_factory, issuer) -> Setup:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, setup):
-    process = ServerProcess(tmp_path_factory.mktemp("server") / "data", extra_args=setup.args(), log_level="debug")
-    process.start()
-    yield process
-    try:
-        process.stop()
-    finally:
-        process.kill()
+    data = tmp_path_factory.mktemp("server") / "data"
+    with ServerProcess(data, extra_args=setup.args(), log_level="debug") as process:
+        yield process
 
 
 @pytest.fixture

@@ -129,13 +129,8 @@ def http_read(server: ServerProcess, d: re_pb2.Digest) -> bytes | int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> ServerProcess:
-    process = ServerProcess(tmp_path_factory.mktemp("healing") / "data", name="healing", extra_args=WHOLE_FILES)
-    process.start()
-    yield process
-    try:
-        process.stop()
-    finally:
-        process.kill()
+    with ServerProcess(tmp_path_factory.mktemp("healing") / "data", name="healing", extra_args=WHOLE_FILES) as process:
+        yield process
 
 
 @pytest.mark.parametrize("size", [SMALL, MEDIUM, LARGE], ids=["small", "medium", "large"])
