@@ -31,9 +31,9 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from buildvault.admin.bucket import Bucket, BucketError, Obj
 from buildvault.admin.gc_pins import is_pin_index, pinned_entries
@@ -88,8 +88,22 @@ class Plan:
         }
 
 
+_M = TypeVar("_M", bound=Message)
+
+
 def _blob_key(prefix: str, function: str, digest: re_pb2.Digest) -> str | None:
     return f"{prefix}cas/{function}/{digest.hash}" if digest.hash and digest.size_bytes else None
+
+
+def _message(bucket: Bucket, key: str | None, message_type: type[_M]) -> _M | None:
+    """The message stored under `key`; None when it is gone or does not parse."""
+    data = bucket.get(key) if key else None
+    if data is None:
+        return None
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        return None
 
 
 def entry_references(bucket: Bucket, entry: Obj) -> set[str]:
@@ -99,12 +113,8 @@ def entry_references(bucket: Bucket, entry: Obj) -> set[str]:
     if len(relative) < 4 or relative[1] not in ("ac", "asset"):  # asset entries are ActionResults too
         return set()
     function = relative[-2]
-    data = bucket.get(entry.key)
-    if data is None:
-        return set()
-    try:
-        result = re_pb2.ActionResult.FromString(data)
-    except DecodeError:
+    result = _message(bucket, entry.key, re_pb2.ActionResult)
+    if result is None:
         return set()
     keys: set[str | None] = {_blob_key(bucket.prefix, function, f.digest) for f in result.output_files}
     keys.add(_blob_key(bucket.prefix, function, result.stdout_digest))
@@ -113,12 +123,8 @@ def entry_references(bucket: Bucket, entry: Obj) -> set[str]:
         keys.add(_blob_key(bucket.prefix, function, directory.root_directory_digest))
         tree_key = _blob_key(bucket.prefix, function, directory.tree_digest)
         keys.add(tree_key)
-        tree_data = bucket.get(tree_key) if tree_key else None
-        if tree_data is not None:
-            try:
-                tree = re_pb2.Tree.FromString(tree_data)
-            except DecodeError:
-                continue
+        tree = _message(bucket, tree_key, re_pb2.Tree)
+        if tree is not None:
             for node in [tree.root, *tree.children]:
                 keys.update(_blob_key(bucket.prefix, function, f.digest) for f in node.files)
     keys.discard(None)
@@ -134,12 +140,8 @@ def _listed_blob_key(prefix: str, chunk_list: Obj) -> str:
 def chunk_references(bucket: Bucket, chunk_list: Obj) -> set[str]:
     """Blob keys of the chunks a chunk list (storage/chunks: a SplitBlobResponse) names."""
     function = chunk_list.key[len(bucket.prefix) :].split("/")[-2]
-    data = bucket.get(chunk_list.key)
-    if data is None:
-        return set()
-    try:
-        message = re_pb2.SplitBlobResponse.FromString(data)
-    except DecodeError:
+    message = _message(bucket, chunk_list.key, re_pb2.SplitBlobResponse)
+    if message is None:
         return set()
     return {k for k in (_blob_key(bucket.prefix, function, d) for d in message.chunk_digests) if k is not None}
 
