@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import grpc
 import pytest
 from auth_setup import bearer, new_token, write_access
+from loopback_app import loopback_app
 from polling import wait_until
 from reapi_client import CLIENT_OPTIONS
 
@@ -71,18 +71,8 @@ async def publish(stub, requests, metadata=None):  # type: ignore[no-untyped-def
 
 @pytest.fixture
 async def server(tmp_path):
-    settings = Settings(dir=tmp_path / "data", grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                        local_workers="0", processes=1)  # fmt: skip
-    app = App(settings, blobs=MemoryBlobStore(), actions=MemoryActionStore())
-    await app.start()
-    try:
-        async with (
-            grpc.aio.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS) as channel,
-            aiohttp.ClientSession(f"http://{app.http_address}") as http,
-        ):
-            yield app, bes_grpc.PublishBuildEventStub(channel), http
-    finally:
-        await app.stop(grace=1)
+    async with loopback_app(tmp_path) as (app, channel, http):
+        yield app, bes_grpc.PublishBuildEventStub(channel), http
 
 
 async def test_bazel_events_fill_the_invocation_page(server) -> None:

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import re
 
-import aiohttp
 import grpc
 import pytest
 from action_builder import build_action, digest_of, key, upload
-from reapi_client import CLIENT_OPTIONS, make_stubs
+from loopback_app import loopback_app
+from reapi_client import make_stubs
 
-from buildvault.config import Settings
 from buildvault.history.metadata import metadata_header
 from buildvault.remote_apis import re_pb2
-from buildvault.server.app import App
-from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 
 EVIL = "<img src=x onerror=alert(1)>.h"
 SOURCES = {
@@ -31,18 +28,8 @@ OUT = ["bazel-out/k8-fastbuild/bin/pkg/_objs/a/a.o"]
 
 @pytest.fixture
 async def server(tmp_path):
-    settings = Settings(dir=tmp_path / "data", grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                        local_workers="0", processes=1)  # one process: the page flushes what it recorded
-    app = App(settings, blobs=MemoryBlobStore(), actions=MemoryActionStore())
-    await app.start()
-    try:
-        async with (
-            grpc.aio.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS) as channel,
-            aiohttp.ClientSession(f"http://{app.http_address}") as http,
-        ):
-            yield app, make_stubs(channel), http
-    finally:
-        await app.stop(grace=1)
+    async with loopback_app(tmp_path) as (app, channel, http):
+        yield app, make_stubs(channel), http
 
 
 async def _run(stubs, built, invocation: str, target: str, output: bytes) -> None:
@@ -165,20 +152,10 @@ async def test_http_action_cache_calls_are_recorded_without_metadata(server) -> 
 
 
 async def test_secret_patterns_are_a_list_setting_spaces_after_commas_included(tmp_path) -> None:
-    settings = Settings(dir=tmp_path / "data", grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                        local_workers="0", processes=1, history_secret_patterns="*TOKEN*, MY_*")  # fmt: skip
-    app = App(settings, blobs=MemoryBlobStore(), actions=MemoryActionStore())
-    await app.start()
-    try:
-        async with (
-            grpc.aio.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS) as channel,
-            aiohttp.ClientSession(f"http://{app.http_address}") as http,
-        ):
-            env = {"MY_PASSPHRASE": "swordfish-value", "PLAIN": "shown-value"}
-            built = build_action(SOURCES, ARGS, OUT, env=env)
-            await _run(make_stubs(channel), built, "inv-s", "//pkg:a", b"object\n")
-            action = await _text(http, f"/action/{key(built.action)}")
-            assert "MY_PASSPHRASE" in action and "swordfish" not in action  # the pattern after ", "
-            assert "shown-value" in action
-    finally:
-        await app.stop(grace=1)
+    async with loopback_app(tmp_path, history_secret_patterns="*TOKEN*, MY_*") as (_, channel, http):
+        env = {"MY_PASSPHRASE": "swordfish-value", "PLAIN": "shown-value"}
+        built = build_action(SOURCES, ARGS, OUT, env=env)
+        await _run(make_stubs(channel), built, "inv-s", "//pkg:a", b"object\n")
+        action = await _text(http, f"/action/{key(built.action)}")
+        assert "MY_PASSPHRASE" in action and "swordfish" not in action  # the pattern after ", "
+        assert "shown-value" in action

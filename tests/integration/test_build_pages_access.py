@@ -3,18 +3,15 @@ instance shown, and the invocation list holds only the instances the caller may 
 
 from __future__ import annotations
 
-import aiohttp
 import grpc
 import pytest
 from action_builder import build_action, key, upload
 from auth_setup import bearer, new_token, write_access
-from reapi_client import CLIENT_OPTIONS, make_stubs
+from loopback_app import loopback_app
+from reapi_client import make_stubs
 
-from buildvault.config import Settings
 from buildvault.history.metadata import metadata_header
 from buildvault.remote_apis import re_pb2
-from buildvault.server.app import App
-from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
 
 
 @pytest.fixture
@@ -22,18 +19,8 @@ async def server(tmp_path):
     tokens, access = tmp_path / "tokens", tmp_path / "access.toml"
     issued = {"ci": new_token(tokens, "ci"), "team-a": new_token(tokens, "team-a")}
     write_access(access, [("ci", ["read", "write"], [""]), ("team-a", ["read", "write"], ["team-a"])])
-    settings = Settings(dir=tmp_path / "data", grpc_address="127.0.0.1:0", http_address="127.0.0.1:0",
-                        local_workers="0", processes=1, token_file=str(tokens), access_file=str(access))  # fmt: skip
-    app = App(settings, blobs=MemoryBlobStore(), actions=MemoryActionStore())
-    await app.start()
-    try:
-        async with (
-            grpc.aio.insecure_channel(app.grpc_address, options=CLIENT_OPTIONS) as channel,
-            aiohttp.ClientSession(f"http://{app.http_address}") as http,
-        ):
-            yield app, make_stubs(channel), http, issued
-    finally:
-        await app.stop(grace=1)
+    async with loopback_app(tmp_path, token_file=str(tokens), access_file=str(access)) as (app, channel, http):
+        yield app, make_stubs(channel), http, issued
 
 
 async def _miss(stubs, token: str, instance: str, invocation: str):  # type: ignore[no-untyped-def]
