@@ -51,7 +51,8 @@ LARGE = 4 << 20
 # Passed by every request of a protocol, whatever it asks: not the request's main line.
 WRAPPERS = frozenset(
     {"logs.py", "server/metrics.py", "server/grpc/__init__.py", "server/grpc/request_metrics.py",
-     "server/grpc/recorded.py", "server/http/listener.py", "history/recorder.py", "history/metadata.py"}
+     "server/grpc/recorded.py", "server/http/listener.py", "server/http/recorded.py", "history/recorder.py",
+     "history/metadata.py"}
 )  # fmt: skip
 RUNS = 3
 
