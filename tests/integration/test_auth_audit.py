@@ -222,3 +222,23 @@ async def test_processes_share_the_audit_log_line_by_line(tmp_path):
     lines = log.read_text().splitlines()
     assert len(lines) == len(written)
     assert sorted(json.loads(line)["digest"] for line in lines) == sorted(written)
+
+
+def test_buildvault_audit_finds_the_log_through_the_servers_own_setting(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    log.write_text(json.dumps({"time": "t", "kind": "action_result", "digest": "ab12/3", "principal": "ci"}) + "\n")
+    config = tmp_path / "server.toml"
+    config.write_text(f"audit_log = {json.dumps(str(log))}\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BUILDVAULT_")}
+
+    def run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "buildvault.cli", "audit", "ab12"]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+    for env in ({**clean, "BUILDVAULT_CONFIG": str(config)}, {**clean, "BUILDVAULT_AUDIT_LOG": str(log)}):
+        found = run(env)
+        assert found.returncode == 0 and "principal=ci" in found.stdout, found.stderr
+    missing = run(clean)
+    assert missing.returncode == 2 and "no audit log" in missing.stderr
+    bad = run({**clean, "BUILDVAULT_MAX_SIZE": "lots"})
+    assert bad.returncode == 2 and "max_size" in bad.stderr.lower(), bad.stderr

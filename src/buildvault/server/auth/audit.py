@@ -245,13 +245,23 @@ def add_audit_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         "time, principal, the token's identifying claims, instance, client address. Exit 3 when none.",
     )
     audit.add_argument("digest", metavar="ACTION_DIGEST", help="the entry's key: HASH or HASH/SIZE")
-    audit.add_argument("--audit-log", metavar="FILE", help="the server's audit log (env BUILDVAULT_AUDIT_LOG)")
+    audit.add_argument(
+        "--audit-log", metavar="FILE", help="the server's audit log (default: its setting, env or --config file)"
+    )
     audit.add_argument("--instance", help="only writes to this instance")
     audit.add_argument("--json", action="store_true", help="print the matching lines as they are stored")
 
 
 def audit_command(args: argparse.Namespace) -> int:
-    path = args.audit_log or os.environ.get("BUILDVAULT_AUDIT_LOG", "")
+    path = args.audit_log
+    if not path:  # the server's own setting: BUILDVAULT_AUDIT_LOG or `audit_log` in the --config file
+        from buildvault.config import ConfigError, load_settings
+
+        try:
+            path = load_settings().audit_log
+        except ConfigError as e:
+            print(f"buildvault: {e}", file=sys.stderr)
+            return 2
     if not path:
         print("buildvault: no audit log: pass --audit-log FILE (or set BUILDVAULT_AUDIT_LOG)", file=sys.stderr)
         return 2
