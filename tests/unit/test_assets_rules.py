@@ -11,7 +11,7 @@ from yarl import URL
 
 from buildvault.assets.errors import InvalidAssetRequest
 from buildvault.assets.origin import OriginRules, Refused, is_private_address
-from buildvault.assets.request import parse_request, parse_sri, public_uri
+from buildvault.assets.request import parse_request, parse_sri, public_uri, uri_host
 
 
 def b64(data: bytes, algorithm: str) -> str:
@@ -106,3 +106,9 @@ def test_urls_refused_before_connecting() -> None:
 
 def test_public_uri_drops_credentials_and_query() -> None:
     assert public_uri("https://user:pw@host.example:8443/a/b.tgz?token=s#f") == "https://host.example:8443/a/b.tgz"
+
+
+def test_uri_host_names_the_host_alone() -> None:
+    assert uri_host("https://user:secret@mirror.example:8443/dep.tgz?token=x") == "mirror.example:8443"
+    assert uri_host("http://[::1]/a") == "[::1]"
+    assert uri_host("urn:x:dep") == "?"

@@ -32,6 +32,7 @@ __all__ = [
     "parse_request",
     "parse_sri",
     "public_uri",
+    "uri_host",
 ]
 
 MAX_URIS = 64
@@ -91,6 +92,12 @@ class AssetRequest:
         """What makes two in-flight requests the same download (credentials included, by hash)."""
         creds = hashlib.sha256(json.dumps([sorted(h.items()) for h in self.headers]).encode()).hexdigest()
         return (self.instance_name, self.uris, self.digest_function, self.checksums, self.named, creds)
+
+
+def uri_host(uri: str) -> str:
+    """The host of a URI, for a log line (never its path, query or credentials); `?` when none."""
+    authority = uri.partition("://")[2].split("/", 1)[0]
+    return authority.rpartition("@")[2] or "?"
 
 
 def public_uri(uri: str) -> str:

@@ -27,7 +27,7 @@ from buildvault.actions import MissingBlobs
 from buildvault.assets.errors import AssetNotFound, AssetTimeout, InvalidAssetRequest
 from buildvault.assets.index import AssetIndex, Entry, sri_key, uri_key
 from buildvault.assets.origin import AttemptFailed, ChecksumMismatch, OriginFetcher, Refused, TooLarge
-from buildvault.assets.request import AssetRequest, public_uri
+from buildvault.assets.request import AssetRequest, public_uri, uri_host
 from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import NotFound, StorageError, single_chunk
@@ -219,7 +219,7 @@ class Assets:
             await self.index.record(request.instance_name, keys, entry)
             self.recorder.asset_indexed()
             self.recorder.asset_fetch("downloaded")
-            log.info("asset downloaded from %s: %s", _host(uri), digest)
+            log.info("asset downloaded from %s: %s", uri_host(uri), digest)
             return Found(entry, uri)
         result = (
             "checksum_mismatch"
@@ -228,7 +228,7 @@ class Assets:
         )
         self.recorder.asset_fetch(result)
         for (shown, _answer), kind in zip(attempts, kinds, strict=True):
-            log.info("asset fetch from %s failed (%s)", _host(shown), kind)
+            log.info("asset fetch from %s failed (%s)", uri_host(shown), kind)
         if kinds and all(k == "timeout" for k in kinds):
             raise AssetTimeout("every origin timed out", attempts)
         raise AssetNotFound("no origin could be fetched", attempts)
@@ -286,7 +286,7 @@ class Assets:
         keys = [uri_key(uri, request.named) for uri in request.uris] + [sri_key(c) for c in request.checksums]
         await self.index.record(request.instance_name, keys, entry)
         self.recorder.asset_indexed()
-        log.info("asset pushed for %s: %s", ", ".join(sorted({_host(u) for u in request.uris})), entry.digest)
+        log.info("asset pushed for %s: %s", ", ".join(sorted({uri_host(u) for u in request.uris})), entry.digest)
 
     async def _walk(self, root: Digest) -> tuple[list[tuple[Digest, re_pb2.Directory]], list[Digest]]:
         blobs = self.index.blobs
@@ -326,10 +326,3 @@ class Assets:
         for start in range(0, len(listed), _BATCH):
             missing.extend(await blobs.find_missing(listed[start : start + _BATCH]))
         return directories, missing
-
-
-def _host(uri: str) -> str:
-    """The host of a URI, for a log line (never its path, query or credentials)."""
-    rest = uri.partition("://")[2]
-    authority = rest.split("/", 1)[0].rpartition("@")[2]
-    return authority or "?"

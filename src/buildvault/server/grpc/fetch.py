@@ -11,7 +11,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from buildvault import logs
 from buildvault.assets.errors import InvalidAssetRequest
-from buildvault.assets.request import AssetRequest, parse_request
+from buildvault.assets.request import AssetRequest, parse_request, uri_host
 from buildvault.assets.service import Assets, Found
 from buildvault.remote_apis import ra_pb2, re_pb2
 from buildvault.server.auth import Auth
@@ -52,7 +52,7 @@ def request_of(
         request.instance_name, list(request.uris), [(q.name, q.value) for q in request.qualifiers],
         request.digest_function,
     )  # fmt: skip
-    hosts = sorted({uri.partition("://")[2].split("/", 1)[0].rpartition("@")[2] for uri in parsed.uris})
+    hosts = sorted({uri_host(uri) for uri in parsed.uris})
     logs.note(instance=parsed.instance_name, hosts=hosts[:8])  # hosts only: never paths, headers or tokens
     return parsed
 
