@@ -173,10 +173,10 @@ class OriginFetcher:
         blobs: BlobStore,
         spool_dir: Path,
         *,
-        max_size: int = 4 << 30,
-        connect_timeout: float = 10.0,
-        total_timeout: float = 600.0,
-        max_downloads: int = 8,
+        max_size: int,  # the settings' values (config.py holds the defaults)
+        connect_timeout: float,
+        total_timeout: float,
+        max_downloads: int,
         recorder: DownloadRecorder | None = None,
     ) -> None:
         self.rules = rules

@@ -84,7 +84,7 @@ class Assets:
         index: AssetIndex,
         fetcher: OriginFetcher | None,
         *,
-        reader_downloads: str = "checksum",
+        reader_downloads: str,  # --asset-reader-downloads (config.py holds the default)
         recorder: FetchRecorder | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
