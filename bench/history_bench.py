@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """The history's cost and the build pages' speed (issue 37):
 
-1. ActionCache get/update and FindMissingBlobs at c1 and c16, every call carrying Bazel's
-   `requestmetadata-bin`, against `buildvault serve --history true` and `--history false`,
-   interleaved (on, off, off, on, ...), `--reps` times each: medians of ops/s and the ratio.
+1. The CPU of a recorded call in process (the wrapper on the event loop, the insert in the
+   writer thread); the server's CPU per GetActionResult / UpdateActionResult with the history
+   on and off; then ActionCache get/update and FindMissingBlobs at c1 and c16 through the
+   harness, every call carrying Bazel's `requestmetadata-bin`, against `--history true` and
+   `--history false`, interleaved (on, off, off, on, ...), `--reps` times each: medians of ops/s
+   and the ratio. FindMissingBlobs is not recorded: no wrapper is put on it.
 2. `/invocation/<id>` of an invocation of 10,000 actions (a miss and an upload each) and
    `/compare/<a>/<b>` of two actions of 5,000 inputs each (one in ten changed): the median
    wall time of `--page-reps` requests, against an in-process server.
@@ -75,6 +78,116 @@ def _results(path: Path) -> list[dict[str, object]]:
         for r in document["results"]
         if r.get("ok") and r.get("value") is not None
     ]
+
+
+def _server_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_cpu_ab(reps: int, calls: int = 8000) -> None:
+    """Server CPU per call (utime + stime of the server process, every thread), history on and off,
+    interleaved: on a machine whose other load swings ops/s by 30 % this is the steadier measure."""
+    import grpc
+
+    from buildvault.history.metadata import metadata_header
+    from buildvault.remote_apis import re_grpc, re_pb2
+
+    header = [metadata_header(tool="bazel", tool_version="4.2.3", invocation=str(os.getpid()), action_id="0" * 64,
+                              mnemonic="CppCompile", target="//bench:lib")]  # fmt: skip
+
+    async def drive(address: str, method: str, n: int, concurrency: int) -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            ac = re_grpc.ActionCacheStub(channel)
+            digest = re_pb2.Digest(hash=hashlib.sha256(address.encode()).hexdigest(), size_bytes=140)
+            result = re_pb2.ActionResult(exit_code=1, stdout_raw=b"x")
+            update = re_pb2.UpdateActionResultRequest(action_digest=digest, action_result=result)
+            await ac.UpdateActionResult(update, metadata=header)
+            get = re_pb2.GetActionResultRequest(action_digest=digest)
+
+            async def worker(k: int) -> None:
+                for _ in range(k):
+                    if method == "get":
+                        await ac.GetActionResult(get, metadata=header)
+                    else:
+                        await ac.UpdateActionResult(update, metadata=header)
+
+            await asyncio.gather(*(worker(n // concurrency) for _ in range(concurrency)))
+
+    figures: dict[tuple[str, str], list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="history-cpu-") as tmp:
+        for rep in range(reps):
+            for mode in ("true", "false") if rep % 2 == 0 else ("false", "true"):
+                flags = ["--history", mode, "--processes", "1", "--local-workers", "0"]
+                server = start_buildvault(Path(tmp) / f"{mode}{rep}", Path(tmp) / f"{mode}{rep}.log", flags)
+                try:
+                    for method in ("get", "update"):
+                        asyncio.run(drive(server.address, method, 500, 1))  # warm
+                        before = _server_cpu(server.process.pid)
+                        asyncio.run(drive(server.address, method, calls, 4))
+                        time.sleep(1.0)  # the writer thread's last batch (0.5 s period)
+                        used = _server_cpu(server.process.pid) - before
+                        figures.setdefault((method, mode), []).append(1e6 * used / calls)
+                finally:
+                    stop(server)
+    print(f"server CPU per call, history on vs off, {reps} interleaved servers each, {calls:,} calls at c4:")
+    for method in ("get", "update"):
+        on = statistics.median(figures[(method, "true")])
+        off = statistics.median(figures[(method, "false")])
+        name = "GetActionResult" if method == "get" else "UpdateActionResult"
+        print(f"  {name:<20} on {on:.0f} us, off {off:.0f} us, on/off {on / off:.3f}")
+
+
+def run_cost(calls: int = 20_000) -> None:
+    """CPU per recorded call, without the network: the gRPC wrapper around a handler that does
+    nothing (clock reads, header parse, one queued tuple), and the writer thread's insert."""
+    import grpc
+
+    from buildvault.history import Recorder
+    from buildvault.history.metadata import metadata_header
+    from buildvault.remote_apis import re_pb2
+    from buildvault.server.grpc.recorded import recorded
+
+    header = metadata_header(tool="bazel", tool_version="4.2.3", invocation=str(os.getpid()), action_id="0" * 64,
+                             mnemonic="CppCompile", target="//bench:lib", configuration="k8-fastbuild")  # fmt: skip
+
+    class Context:
+        def invocation_metadata(self) -> tuple[tuple[str, object], ...]:
+            return (("user-agent", "grpc-java-netty/1.33.1"), header)
+
+        def code(self) -> None:
+            return None
+
+    async def handler(request: object, context: object) -> object:
+        return request
+
+    handlers = grpc.unary_unary_rpc_method_handler(handler)
+    request = re_pb2.GetActionResultRequest(action_digest=re_pb2.Digest(hash="a" * 64, size_bytes=140))
+
+    async def measure() -> tuple[float, float, float]:
+        with tempfile.TemporaryDirectory(prefix="history-cost-") as tmp:
+            recorder = Recorder(Path(tmp) / "h.sqlite", max_pending=calls + 1, prune=False)
+            await recorder.start()
+            wrapped = recorded(recorder, "/build.bazel.remote.execution.v2.ActionCache/GetActionResult", handlers)
+            context = Context()
+            start = time.process_time()
+            for _ in range(calls):
+                await handler(request, context)
+            bare = time.process_time() - start
+            start = time.process_time()
+            for _ in range(calls):
+                await wrapped.unary_unary(request, context)
+            with_history = time.process_time() - start
+            start = time.process_time()
+            await recorder.flush()  # the writer thread: process time counts every thread
+            write = time.process_time() - start
+            await recorder.close()
+            return bare, with_history, write
+
+    bare, with_history, write = asyncio.run(measure())
+    print(f"recorded call, CPU: wrapper {1e6 * (with_history - bare) / calls:.1f} us on the event loop, "
+          f"insert {1e6 * write / calls:.1f} us in the writer thread ({calls:,} calls)")
 
 
 async def run_pages(page_reps: int) -> None:
@@ -168,8 +281,10 @@ def main() -> int:
     parser.add_argument("--no-ab", action="store_true", help="only the pages")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
+    run_cost()
     asyncio.run(run_pages(args.page_reps))
     if not args.no_ab:
+        run_cpu_ab(max(args.reps, 2))
         run_ab(args.reps, args.scenarios)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from buildvault.history.metadata import Metadata
+from buildvault.history.metadata import Metadata, parse_metadata
 from buildvault.history.store import HistoryStore
 
 __all__ = ["DEFAULT_MAX_SIZE", "DEFAULT_RETENTION", "Record", "Recorder", "history_path", "recorder_from_settings"]
@@ -29,7 +29,7 @@ log = logging.getLogger("buildvault.history")
 
 DEFAULT_RETENTION = 7 * 86400.0
 DEFAULT_MAX_SIZE = 1 << 30
-# A recorded call: the tuple `store.COLUMNS` describes.
+# A queued call: `store.COLUMNS` up to `bytes`, then its Metadata or its raw metadata pairs.
 Record = tuple[Any, ...]
 
 
@@ -42,7 +42,7 @@ class Recorder:
         *,
         retention: float = DEFAULT_RETENTION,
         max_size: int = DEFAULT_MAX_SIZE,
-        flush_interval: float = 0.5,
+        flush_interval: float = 1.0,
         prune_interval: float = 60.0,
         max_pending: int = 100_000,
         clock: Callable[[], float] = time.time,
@@ -63,6 +63,7 @@ class Recorder:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buildvault-history")
         self._task: asyncio.Task[None] | None = None
         self._last_prune = 0.0
+        self._last_warning = 0.0
         self._opened = False
 
     # -- on the event loop -------------------------------------------------------------------
@@ -78,22 +79,17 @@ class Recorder:
         size: int,
         started: float,
         duration: float,
-        meta: Metadata,
+        meta: Metadata | list[tuple[str, Any]] | tuple[tuple[str, Any], ...] | None,
     ) -> None:
-        """Queue one call (cheap: no I/O, no lock). `started` is wall-clock time."""
+        """Queue one call (cheap: no I/O, no lock). `started` is wall-clock time. `meta` may be the
+        call's raw metadata pairs: the header is then parsed in the writer thread, off the loop."""
         if not self.enabled:
             return
         pending = self._pending
         if len(pending) >= self.max_pending:
             self.dropped += 1
             return
-        pending.append(
-            (
-                started, duration, protocol, method, instance, digest, outcome, code, size, meta.invocation,
-                meta.correlated, meta.action_id, meta.mnemonic, meta.target, meta.configuration, meta.tool,
-                meta.tool_version, 1 if meta.malformed else 0,
-            )  # fmt: skip
-        )
+        pending.append((started, duration, protocol, method, instance, digest, outcome, code, size, meta))
 
     async def start(self) -> None:
         """Open the database in the writer thread and start the periodic flush; a database that
@@ -155,11 +151,15 @@ class Recorder:
 
     def _write(self, batch: list[Record]) -> None:
         try:
-            self.store.write(batch)
+            self.store.write([_row(item) for item in batch])
         except (sqlite3.Error, OSError) as e:
             self.failures += 1
             self.dropped += len(batch)
-            log.warning("history write of %d records failed (%s): skipped", len(batch), e)
+            now = time.monotonic()
+            if now - self._last_warning >= 60.0 or self.failures == 1:  # a full disk fails every batch: once a minute
+                self._last_warning = now
+                log.warning("history write of %d records failed (%s): skipped (%d failed writes, %d records dropped)",
+                            len(batch), e, self.failures, self.dropped)  # fmt: skip
         now = self.clock()
         if self.prune_enabled and now - self._last_prune >= self.prune_interval:
             self._last_prune = now
@@ -172,6 +172,15 @@ class Recorder:
             self.failures += 1
             log.warning("history retention failed (%s): skipped", e)
             return 0
+
+
+def _row(item: Record) -> tuple[Any, ...]:
+    """A queued call as the store's row (store.COLUMNS), its metadata parsed here, in the thread."""
+    *head, meta = item
+    if not isinstance(meta, Metadata):
+        meta = parse_metadata(meta)
+    return (*head, meta.invocation, meta.correlated, meta.action_id, meta.mnemonic, meta.target, meta.configuration,
+            meta.tool, meta.tool_version, 1 if meta.malformed else 0)  # fmt: skip
 
 
 def history_path(data_dir: Path) -> Path:

@@ -50,8 +50,7 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 CREATE INDEX IF NOT EXISTS requests_invocation ON requests(invocation);
 CREATE INDEX IF NOT EXISTS requests_digest ON requests(digest);
-CREATE INDEX IF NOT EXISTS requests_step ON requests(instance, target, mnemonic, time);
-CREATE INDEX IF NOT EXISTS requests_time ON requests(time);
+CREATE INDEX IF NOT EXISTS requests_target ON requests(target);
 CREATE TABLE IF NOT EXISTS invocations (
     id TEXT PRIMARY KEY,
     instance TEXT NOT NULL,
@@ -323,12 +322,33 @@ class HistoryStore:
         free = connection.execute("PRAGMA freelist_count").fetchone()[0]
         return int((pages - free) * page_size)
 
+    def _first_id_at(self, cutoff: float) -> int:
+        """The smallest rowid whose row is at or after `cutoff` (one past the last row if none)."""
+        connection = self._connection()
+        low, high = connection.execute("SELECT min(id), max(id) FROM requests").fetchone()
+        if low is None:
+            return 0
+        high += 1
+        while low < high:
+            middle = (low + high) // 2
+            row = connection.execute("SELECT id, time FROM requests WHERE id >= ? ORDER BY id LIMIT 1",
+                                     (middle,)).fetchone()  # fmt: skip
+            if row is None or row[1] >= cutoff:
+                high = middle if row is None else min(middle, row[0])
+            else:
+                low = row[0] + 1
+        return int(low)
+
     def prune(self, now: float, max_age: float, max_bytes: int) -> int:
         """Drop rows older than `max_age` seconds, then the oldest until the pages in use fit
         `max_bytes` (to 90 % of it, so pruning is not redone at every write); returns rows dropped."""
         connection = self._connection()
         cutoff = now - max_age
-        dropped = connection.execute("DELETE FROM requests WHERE time < ?", (cutoff,)).rowcount
+        # Rows are appended in time order (give or take one batch), so the rowid orders them:
+        # no index on time to keep up at every insert; the first row at or after the cutoff is
+        # found by bisection over rowids.
+        edge_id = self._first_id_at(cutoff)
+        dropped = connection.execute("DELETE FROM requests WHERE id < ?", (edge_id,)).rowcount
         connection.execute("DELETE FROM invocations WHERE last < ?", (cutoff,))
         connection.execute("DELETE FROM build_events WHERE time < ?", (cutoff,))
         rounds = 0
@@ -339,10 +359,10 @@ class HistoryStore:
                 break
             target = 0.9 * max_bytes
             share = max(1, int(total * (1 - target / max(self.live_bytes(), 1))) + 1)
-            edge = connection.execute(
-                "SELECT time FROM requests ORDER BY time LIMIT 1 OFFSET ?", (min(share, total) - 1,)
-            ).fetchone()[0]
-            dropped += connection.execute("DELETE FROM requests WHERE time <= ?", (edge,)).rowcount
+            edge_id, edge = connection.execute(
+                "SELECT id, time FROM requests ORDER BY id LIMIT 1 OFFSET ?", (min(share, total) - 1,)
+            ).fetchone()
+            dropped += connection.execute("DELETE FROM requests WHERE id <= ?", (edge_id,)).rowcount
             connection.execute("DELETE FROM build_events WHERE time <= ?", (edge,))
             connection.execute(
                 "DELETE FROM invocations WHERE last <= ? AND id NOT IN (SELECT DISTINCT invocation FROM requests)",

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from buildvault.digest import InvalidDigest, parse_read_resource, parse_write_resource
-from buildvault.history import Recorder, parse_metadata
+from buildvault.history import Recorder
 from buildvault.remote_apis import re_pb2
 from buildvault.server.grpc.request_metrics import _code_of, _error_code
 
@@ -206,9 +206,9 @@ def _note(
     context: Any,
 ) -> None:
     try:
-        meta = parse_metadata(context.invocation_metadata())
+        pairs = context.invocation_metadata()  # parsed in the recorder's thread, off the loop
     except Exception:  # a context that cannot say: record without metadata
-        meta = parse_metadata(None)
+        pairs = None
     recorder.record(
-        "grpc", method, instance[:_LIMIT], digest, outcome, code.name, size, started, time.perf_counter() - clock, meta
+        "grpc", method, instance[:_LIMIT], digest, outcome, code.name, size, started, time.perf_counter() - clock, pairs
     )
