@@ -15,8 +15,8 @@ The primary's CAS stack, outermost first (every tier metered under its own name)
 
     MeteredBlobStore("client")
       EmptyBlobStore                        the empty blob is always present
-        ChunkedBlobStore                    settings.chunking: large blobs as FastCDC chunks + a
-                                            chunk list (storage/chunks/)
+        ChunkedBlobStore                    always: large blobs as FastCDC chunks + a chunk list
+                                            (storage/chunks/); new ones only with settings.chunking
           TieredBlobStore                   only with a bucket (storage/objectstore/)
             fast: MeteredBlobStore("local") > DiskBlobStore
             slow: MeteredBlobStore("object_store") > FailOpen > ExistenceCache > ObjectStore
