@@ -194,25 +194,10 @@ class Assets:
                 digest = await self.fetcher.download(
                     uri, request.headers[i], request.checksums, request.digest_function, timeout
                 )
-            except Refused as e:
-                attempts.append((shown, f"refused: {e}"))
-                kinds.append("refused")
-                continue
-            except ChecksumMismatch as e:
-                attempts.append((shown, str(e)))
-                kinds.append("checksum_mismatch")
-                continue
-            except TooLarge as e:
-                attempts.append((shown, f"too large: {e}"))
-                kinds.append("miss")
-                continue
-            except AttemptFailed as e:
-                attempts.append((shown, str(e)))
-                kinds.append("miss")
-                continue
-            except TimeoutError:
-                attempts.append((shown, "timed out"))
-                kinds.append("timeout")
+            except (AttemptFailed, TimeoutError) as e:
+                answer, kind = _failure(e)
+                attempts.append((shown, answer))
+                kinds.append(kind)
                 continue
             entry = Entry(digest, started, uri, tuple(request.qualifiers()))
             keys = [sri_key(c) for c in request.checksums] + [uri_key(uri, request.named)]
@@ -326,3 +311,16 @@ class Assets:
         for start in range(0, len(listed), _BATCH):
             missing.extend(await blobs.find_missing(listed[start : start + _BATCH]))
         return directories, missing
+
+
+def _failure(e: AttemptFailed | TimeoutError) -> tuple[str, str]:
+    """What a failed attempt tells the client, and its kind (the fetch metric's result)."""
+    if isinstance(e, Refused):
+        return f"refused: {e}", "refused"
+    if isinstance(e, ChecksumMismatch):
+        return str(e), "checksum_mismatch"
+    if isinstance(e, TooLarge):
+        return f"too large: {e}", "miss"
+    if isinstance(e, AttemptFailed):
+        return str(e), "miss"
+    return "timed out", "timeout"
