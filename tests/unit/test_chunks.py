@@ -209,3 +209,20 @@ async def test_chunks_survive_a_restart_of_the_disk_store(tmp_path: Path) -> Non
         assert await storage.cas.find_missing([digest]) == [digest]  # kept as chunks, not whole
     finally:
         await storage.close()
+
+
+async def test_the_dedup_figures_count_each_distinct_chunk_once_however_it_arrived() -> None:
+    store = chunked_memory()
+    base = random.Random(11).randbytes(120_000)
+    await store.write(Digest.of(base), single_chunk(base))
+    assert store.stats()["logical_bytes"] == store.stats()["stored_bytes"] == len(base)
+    # The same blob again, and a client's splice of a blob sharing all but its tail.
+    await store.write(Digest.of(base), single_chunk(base))
+    views = [bytes(v) for v in cut(base + b"tail" * 10_000, SMALL)]
+    for view in views:
+        await store.inner.write(Digest.of(view), single_chunk(view))  # uploaded as ordinary blobs
+    await store.splice(Digest.of(base + b"tail" * 10_000), [Digest.of(v) for v in views])
+    stats = store.stats()
+    assert stats["logical_bytes"] == 3 * len(base) + 40_000
+    assert len(base) < stats["stored_bytes"] < len(base) + 40_000 + 2 * SMALL.max_size
+    assert stats["dedup_ratio"] == stats["logical_bytes"] / stats["stored_bytes"] > 2

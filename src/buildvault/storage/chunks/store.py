@@ -44,6 +44,8 @@ DEFAULT_THRESHOLD = 2 << 20
 # A SpliceBlob naming more chunks than this is refused (a blob of 100,000 tiny chunks would
 # cost a store call per chunk for no dedup).
 MAX_SPLICE_CHUNKS = 65_536
+# The dedup figures remember this many chunk hashes (about 100 bytes each).
+MAX_COUNTED_CHUNKS = 200_000
 
 
 class MissingChunks(NotFound):
@@ -73,9 +75,12 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self.threshold = threshold
         # False (`--chunking false`): new blobs go whole, blobs kept as chunks before are still served.
         self.chunk_writes = chunk_writes
-        # What the status page shows: bytes clients stored, and chunk bytes this process added.
+        # What the status page shows, since this process started: the bytes of blobs kept as chunks,
+        # and the bytes of the distinct chunks their lists name (a chunk counts once, however it
+        # arrived: cut here, or uploaded by a client before its SpliceBlob).
         self.logical_bytes = 0
         self.stored_chunk_bytes = 0
+        self._counted: set[str] = set()
 
     def stats(self) -> dict[str, float]:
         """Since this process started: bytes of blobs kept chunked, the chunk bytes they added."""
@@ -217,8 +222,17 @@ class ChunkedBlobStore(ForwardingBlobStore):
                 f"uploaded bytes ({received} bytes, {digest.function.label} {hasher.hexdigest()}) do not match {digest}"
             )
         await self._put_list(digest, listed)
-        self.logical_bytes += digest.size_bytes
+        self._count(digest, listed)
         return listed
+
+    def _count(self, digest: Digest, listed: Sequence[Digest]) -> None:
+        if len(self._counted) > MAX_COUNTED_CHUNKS:
+            self._counted.clear()  # a bound on memory: later figures count some chunks twice
+        self.logical_bytes += digest.size_bytes
+        for chunk in listed:
+            if chunk.hash not in self._counted:
+                self._counted.add(chunk.hash)
+                self.stored_chunk_bytes += chunk.size_bytes
 
     async def _store_pieces(self, pieces: Sequence[Piece]) -> None:
         """Store the chunks the inner store lacks (a chunk repeated in the group is stored once)."""
@@ -226,7 +240,6 @@ class ChunkedBlobStore(ForwardingBlobStore):
         absent = await self.inner.find_missing(list(unique))
         if absent:
             await asyncio.gather(*(self.inner.write(d, single_chunk(unique[d].data)) for d in absent))
-            self.stored_chunk_bytes += sum(d.size_bytes for d in absent)
 
     # -- SplitBlob and SpliceBlob (REAPI v2.12) ------------------------------------------------
 
