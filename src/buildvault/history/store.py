@@ -237,7 +237,9 @@ class HistoryStore:
         if not rows:
             return
         totals: dict[str, list[Any]] = {}
-        for row in rows:
+        for n, row in enumerate(rows, 1):
+            if n % 32 == 0:
+                time.sleep(0)  # let the event loop's thread have the GIL (recorder.YIELD_EVERY)
             invocation = row[9]
             if not invocation:
                 continue
