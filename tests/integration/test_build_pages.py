@@ -159,3 +159,19 @@ async def test_secret_patterns_are_a_list_setting_spaces_after_commas_included(t
         action = await _text(http, f"/action/{key(built.action)}")
         assert "MY_PASSPHRASE" in action and "swordfish" not in action  # the pattern after ", "
         assert "shown-value" in action
+
+
+async def test_markup_in_metadata_is_escaped_on_every_page(server) -> None:
+    app, stubs, http = server
+    built = build_action(SOURCES, ARGS, OUT)
+    evil = "<img src=x onerror=alert(1)>"
+    meta = [metadata_header(tool=f"bazel{evil}", invocation=f"inv{evil}", target=f"//pkg:{evil}",
+                            mnemonic=f"Cpp{evil}")]  # fmt: skip
+    with pytest.raises(grpc.aio.AioRpcError):
+        await stubs.ac.GetActionResult(re_pb2.GetActionResultRequest(action_digest=built.action), metadata=meta)
+    await upload(stubs, built.blobs)
+    for url in ("/invocations", "/invocation/inv" + evil.replace(" ", "%20"), f"/action/{key(built.action)}",
+                f"/explain/{key(built.action)}"):  # fmt: skip
+        text = await _text(http, url)
+        assert "<img" not in text, url
+        assert "&lt;img src=x onerror=alert(1)&gt;" in text, url
