@@ -112,3 +112,12 @@ def test_durations(text: str, seconds: float) -> None:
     from buildvault.config import parse_duration
 
     assert parse_duration(text) == seconds
+
+
+async def test_a_data_dir_with_uri_characters_is_read(tmp_path) -> None:
+    recorder = Recorder(tmp_path / "odd ?#% dir" / "h.sqlite", clock=lambda: 2.0)
+    await recorder.start()
+    recorder.record("grpc", "ac_get", "", "ab/3", "hit", "OK", 0, 1.0, 0.0, _meta())
+    await recorder.flush()
+    assert [r.outcome for r in recorder.store.requests_for("ab/3")] == ["hit"]
+    await recorder.close()

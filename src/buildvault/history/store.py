@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 __all__ = ["OUTCOMES", "HistoryStore", "InvocationDetail", "InvocationSummary", "Row"]
 
@@ -376,8 +377,13 @@ class HistoryStore:
 
     # -- reading (any thread) ---------------------------------------------------------------
 
+    def _reader(self) -> sqlite3.Connection:
+        """A read-only connection of its own (the path quoted: a data dir may hold '?' or '#')."""
+        uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
+        return sqlite3.connect(uri, uri=True, timeout=5.0, check_same_thread=False)
+
     def _read(self, sql: str, parameters: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
-        connection = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5.0, check_same_thread=False)
+        connection = self._reader()
         try:
             return connection.execute(sql, tuple(parameters)).fetchall()
         finally:
@@ -404,7 +410,7 @@ class HistoryStore:
                           failed: int = 500) -> InvocationDetail:  # fmt: skip
         """What the invocation page shows, aggregated by SQLite (one connection, five queries)."""
         looked = "invocation = ? AND method IN ('ac_get', 'execute')"
-        connection = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=5.0, check_same_thread=False)
+        connection = self._reader()
         try:
             q = connection.execute
             counts = ("sum(outcome = 'hit'), sum(outcome = 'miss'), sum(outcome = 'executed'),"
