@@ -124,7 +124,8 @@ async def _read_messages(blobs: BlobStore, digests: Sequence[Digest | None], kin
 
 async def load_actions(blobs: BlobStore, digests: Sequence[Digest]) -> list[ActionView]:
     """The views of `digests`: two batched reads (the Actions, then their Commands)."""
-    actions = await _read_messages(blobs, digests, re_pb2.Action)
+    # A size of 0 is HTTP's "size unknown" (history rows of bazel-remote's protocol), never an Action.
+    actions = await _read_messages(blobs, [d if d.size_bytes else None for d in digests], re_pb2.Action)
     command_digests = [_proto_digest(a.command_digest) if isinstance(a, re_pb2.Action) else None for a in actions]
     commands = await _read_messages(blobs, command_digests, re_pb2.Command)
     return [
