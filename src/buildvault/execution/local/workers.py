@@ -48,6 +48,7 @@ class LocalWorker:
         self._starting: asyncio.Lock = asyncio.Lock()
         self._waiting: dict[str, asyncio.Future[wire.ResultFrame]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._closed = False
         self.started = 0
 
     @property
@@ -56,6 +57,8 @@ class LocalWorker:
 
     async def _ensure_process(self) -> asyncio.subprocess.Process:
         async with self._starting:
+            if self._closed:
+                raise WorkerLost(self.name, "it is closed (the server is shutting down)")
             if self.process is not None and self.process.returncode is None:
                 return self.process
             if not self.server:
@@ -140,7 +143,11 @@ class LocalWorker:
             await process.stdin.drain()
 
     async def close(self) -> None:
-        process = self.process
+        """Close the process, one still starting included (a job's first `run` may be awaiting its
+        hello); no process starts after this."""
+        self._closed = True
+        async with self._starting:
+            process = self.process
         if process is None or process.returncode is not None:
             return
         if process.stdin is not None:
