@@ -19,6 +19,15 @@ Batch paths (`find_missing_indices`, `read_blobs`, `write_blobs`) are part of th
 request makes one store call whatever the stack. A store without a faster way implements them
 with the `*_by_digests` / `*_one_by_one` helpers below; a decorator forwards them
 (storage.decorator.ForwardingBlobStore) unless it changes them.
+
+`store_verified` is the one internal path: whole blobs whose caller hashed these exact bytes
+itself, in this process, just before (the chunk store, for the chunks it cut and named). A store
+with a faster way (the disk store) skips re-hashing them and keeps every other rule (the size
+check, atomic publish, capacity); every other store and decorator answers it with its verifying
+`write_blobs` (`OneByOneBatches`, `ForwardingBlobStore`), so a decorator that does not know the
+path loses nothing. A wrong (digest, bytes) pair from a buggy caller is still never served: every
+whole read verifies the hash (tests/unit/test_store_contract.py holds each store to that). No
+front end calls it: bytes from a client are always verified by `write` / `write_blobs`.
 """
 
 from __future__ import annotations
@@ -116,6 +125,11 @@ class BlobStore(Protocol):
         """Store whole (small) blobs, one call per batch: for each None, or the error writing it raised."""
         ...
 
+    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """`write_blobs` for bytes the caller hashed itself (internal: see the module docstring); a
+        store may skip re-hashing, never the size check or any other rule."""
+        ...
+
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         """The stored blob with this hash (its size from the store's own index), or raise NotFound."""
         ...
@@ -194,6 +208,9 @@ class OneByOneBatches:
 
     async def write_blobs(self: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         return await write_blobs_one_by_one(self, items)
+
+    async def store_verified(self: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await self.write_blobs(items)  # no faster way: verified like any write
 
 
 async def single_chunk(data: bytes) -> AsyncIterator[bytes]:

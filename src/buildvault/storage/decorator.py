@@ -3,7 +3,10 @@
 Like a bb-storage BlobAccess decorator that embeds the interface it wraps, a decorator derives
 from `ForwardingBlobStore` / `ForwardingActionStore` and overrides only the methods whose
 behaviour it changes; every other method, batch paths included, reaches the inner store as it
-is. Nothing is found by probing for attributes, so no fast path is silently lost under a wrapper.
+is. The one exception is `store_verified` (bytes the caller hashed itself): it goes through the
+decorator's own `write_blobs`, verified, unless the decorator forwards it on purpose, so a
+decorator that changes writes never has them bypass it. Nothing is found by probing for
+attributes, so no fast path is silently lost under a wrapper.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class ForwardingBlobStore:
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         return await self.inner.write_blobs(items)
+
+    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await self.write_blobs(items)  # see the module docstring: verified unless overridden
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         return await self.inner.lookup(function, hash)

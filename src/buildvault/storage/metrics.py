@@ -91,7 +91,16 @@ class MeteredBlobStore(ForwardingBlobStore):
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         self.recorder.store_call(self.tier, "write_blobs")
-        outcomes = await self.inner.write_blobs(items)
+        return self._written(items, await self.inner.write_blobs(items))
+
+    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        # Forwarded on purpose (metering changes no bytes): the local tier's fast path stays.
+        self.recorder.store_call(self.tier, "write_blobs")
+        return self._written(items, await self.inner.store_verified(items))
+
+    def _written(
+        self, items: Sequence[tuple[Digest, bytes]], outcomes: list[Exception | None]
+    ) -> list[Exception | None]:
         total = sum(len(data) for (_, data), outcome in zip(items, outcomes, strict=True) if outcome is None)
         if total:
             self.recorder.store_written(self.tier, REQUEST_PROTOCOL.get(), total)

@@ -12,6 +12,8 @@ Rules this decorator keeps:
   blob of its own, are left to the LRU).
 - A chunked blob is present only while its list and every chunk are: FindMissingBlobs and reads
   check the chunks, so a blob whose chunk was evicted is reported missing, never read torn.
+- A chunk is stored through the inner store's `store_verified`: its name was hashed from the
+  very bytes handed over, in `chunker._cut_window`, so the inner store does not hash it again.
 - Blobs stored whole before chunking was on (or below the threshold) are served as they are.
 """
 
@@ -32,7 +34,6 @@ from buildvault.storage import (
     NotFound,
     ac_namespace,
     read_blobs_one_by_one,
-    single_chunk,
     write_blobs_one_by_one,
 )
 from buildvault.storage.chunks.chunker import ChunkingParams, Piece, cut_stream
@@ -239,7 +240,12 @@ class ChunkedBlobStore(ForwardingBlobStore):
         unique = {p.digest: p for p in pieces}
         absent = await self.inner.find_missing(list(unique))
         if absent:
-            await asyncio.gather(*(self.inner.write(d, single_chunk(unique[d].data)) for d in absent))
+            # Each chunk's name was hashed from these very bytes (chunker._cut_window): the inner
+            # store need not hash them again (storage/__init__.py, `store_verified`).
+            outcomes = await self.inner.store_verified([(d, unique[d].data) for d in absent])
+            for outcome in outcomes:
+                if outcome is not None:
+                    raise outcome
 
     # -- SplitBlob and SpliceBlob (REAPI v2.12) ------------------------------------------------
 

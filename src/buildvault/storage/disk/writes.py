@@ -14,6 +14,9 @@ write of the same blob in flight) is reserved and claimed on the event loop and 
 operation per layout: the records in one LMDB transaction (records.put_many), the files in one
 trip (fileops.write_many); any other blob goes the one-by-one way (`write`).
 
+`store_verified` (bytes the caller hashed itself, storage/__init__.py) is the same path without
+the hash: every other step (size check, capacity, claims, atomic publish, sync) is the same.
+
 Space, claims and publishes go through the store's state owner (core.py).
 
 The store's two faces are here too, `DiskBlobStore` (the CAS) and `DiskActionStore` (action
@@ -76,6 +79,23 @@ class Writer:
             return
         await self._store(key, digest, size, chunks, digest, replace=False)
 
+    async def _write_hashed(self, digest: Digest, data: bytes) -> None:
+        """`write` of a whole blob whose caller hashed `data` itself: the size is checked, the hash not."""
+        core = self.core
+        core.check_open()
+        size = digest.size_bytes
+        if len(data) != size:
+            raise DigestMismatch(f"blob {digest}: got {len(data)} bytes, declared {size}")
+        if size > core.index.max_size:
+            raise CapacityExceeded(f"blob {digest} is larger than the store's {core.index.max_size} bytes")
+        key = cas_key(digest)
+        if core.suspects and digest.hash in core.suspects:
+            await core.recheck([digest])
+        if key in core.index.entries:
+            core.index.touch(key)
+            return
+        await self._store(key, None, size, bytes(data), digest, replace=False)
+
     async def put_entry(self, namespace: str, digest: Digest, data: bytes) -> None:
         core = self.core
         core.check_open()
@@ -83,11 +103,14 @@ class Writer:
         data = bytes(data)
         await self._store(key, None, len(data), data, f"{namespace!r} entry {digest}", replace=True)
 
-    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+    async def write_blobs(
+        self, items: Sequence[tuple[Digest, bytes]], *, hashed: bool = False
+    ) -> list[Exception | None]:
         """Whole blobs (BatchUpdateBlobs). The common case (small, new, room without evicting,
         no other write of the same blob in flight) is reserved and claimed here and written in one
         coalesced operation; any other goes the one-by-one way. Like _store_small, a submitted
-        write completes and is indexed even if the caller is cancelled."""
+        write completes and is indexed even if the caller is cancelled. `hashed`: the caller
+        hashed each blob's bytes itself (store_verified): sizes are checked, hashes not."""
         core = self.core
         core.check_open()
         if core.suspects:
@@ -125,11 +148,12 @@ class Writer:
                 continue
             reservation = Reservation(index, cost)
             core.start_publish(key)
+            check = None if hashed else digest
             if record:
-                record_batch.append((key, bytes(data), digest))
+                record_batch.append((key, bytes(data), check))
                 record_claimed.append((i, key, size, reservation))
             else:
-                batch.append((tmp_dir, path(key), bytes(data), digest))
+                batch.append((tmp_dir, path(key), bytes(data), check))
                 claimed.append((i, key, size, reservation))
         futures = []
         if record_batch:
@@ -150,6 +174,9 @@ class Writer:
             async def one(i: int) -> Exception | None:
                 digest, data = items[i]
                 try:
+                    if hashed:
+                        await self._write_hashed(digest, data)
+                        return None
                     if i in contended and len(data) == digest.size_bytes <= SMALL_OP:
                         await core.ops.submit(fileops.check_hash, (bytes(data), digest))
                     await self.write(digest, single_chunk(data))
@@ -434,6 +461,10 @@ class DiskBlobStore:
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         """Store whole blobs, each verified: None or the error, each. Small ones in one pool trip."""
         return await self._writer.write_blobs(items)
+
+    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """write_blobs for bytes the caller hashed itself: not re-hashed, every other rule kept."""
+        return await self._writer.write_blobs(items, hashed=True)
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         return await self._reader.lookup(function, hash)

@@ -232,14 +232,25 @@ class TieredBlobStore:
         await _journaled(self.journal.add_blob(digest, hold=True), self.journal, self.fast.write(digest, chunks))
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await self._write_blobs(items, self.fast.write_blobs)
+
+    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """Bytes the caller hashed itself: the fast tier's own path for them, journaled the same way."""
+        return await self._write_blobs(items, self.fast.store_verified)
+
+    async def _write_blobs(
+        self,
+        items: Sequence[tuple[Digest, bytes]],
+        write_fast: Callable[[Sequence[tuple[Digest, bytes]]], Awaitable[list[Exception | None]]],
+    ) -> list[Exception | None]:
         journal = self.journal
         if journal is None or not self._journaling:
-            return await self.fast.write_blobs(items)
+            return await write_fast(items)
         journaled = [i for i, (d, _) in enumerate(items) if not self.known_in_slow(d)]
         self.counters["journal_skipped"] += len(items) - len(journaled)
         adds = [asyncio.ensure_future(journal.add_blob(items[i][0], hold=True)) for i in journaled]
         try:
-            outcomes = await self.fast.write_blobs(items)
+            outcomes = await write_fast(items)
         except BaseException:
             for add in adds:
                 _settle_later(add, journal, ok=False)
