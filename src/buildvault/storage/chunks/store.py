@@ -24,7 +24,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from google.protobuf.message import DecodeError
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
+from buildvault.digest import Digest, DigestFunction, Hasher, InvalidDigest, new_hasher
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import (
     ActionStore,
@@ -47,6 +47,8 @@ DEFAULT_THRESHOLD = 2 << 20
 MAX_SPLICE_CHUNKS = 65_536
 # The dedup figures remember this many chunk hashes (about 100 bytes each).
 MAX_COUNTED_CHUNKS = 200_000
+# The whole blob's hash is handed to a worker thread in batches of about this many bytes.
+HASH_BATCH = 1 << 20
 
 
 class MissingChunks(NotFound):
@@ -204,20 +206,43 @@ class ChunkedBlobStore(ForwardingBlobStore):
     async def _write_chunked(self, digest: Digest, source: AsyncIterable[bytes]) -> list[Digest]:
         hasher = new_hasher(digest.function)
         received = 0
+        # The whole blob's hash runs in a worker thread beside the receiving, the cutting and the
+        # chunks' hashes (hashlib releases the GIL): one batch in flight at a time, in order.
+        hashing: asyncio.Future[None] | None = None
+        batch: list[bytes] = []
+        batched = 0
+
+        async def hash_batch() -> None:
+            nonlocal hashing, batch, batched
+            if hashing is not None:
+                await hashing
+            hashing = asyncio.get_running_loop().run_in_executor(None, _update_all, hasher, batch)
+            batch, batched = [], 0
 
         async def counted() -> AsyncIterator[bytes]:
-            nonlocal received
+            nonlocal received, batched
             async for data in source:
                 received += len(data)
                 if received > digest.size_bytes:
                     raise DigestMismatch(f"more than the {digest.size_bytes} bytes declared for {digest}")
-                await _hash_off_loop(hasher, data)
+                batch.append(data)
+                batched += len(data)
+                if batched >= HASH_BATCH:
+                    await hash_batch()
                 yield data
 
         listed: list[Digest] = []
-        async for pieces in cut_stream(counted(), self.params, digest.function):
-            await self._store_pieces(pieces)
-            listed.extend(p.digest for p in pieces)
+        try:
+            async for pieces in cut_stream(counted(), self.params, digest.function):
+                await self._store_pieces(pieces)
+                listed.extend(p.digest for p in pieces)
+            await hash_batch()
+            assert hashing is not None
+            await hashing
+        finally:
+            if hashing is not None and not hashing.done():
+                # Failed or cancelled: the thread finishes its batch on its own; nothing waits for it.
+                hashing.add_done_callback(lambda f: f.cancelled() or f.exception())
         if received != digest.size_bytes or hasher.hexdigest() != digest.hash:
             raise DigestMismatch(
                 f"uploaded bytes ({received} bytes, {digest.function.label} {hasher.hexdigest()}) do not match {digest}"
@@ -279,10 +304,6 @@ class ChunkedBlobStore(ForwardingBlobStore):
                 yield data
 
 
-async def _hash_off_loop(hasher: object, data: bytes) -> None:
-    """Hash a piece; large pieces in a worker thread (hashlib releases the GIL), small inline."""
-    update = hasher.update  # type: ignore[attr-defined]
-    if len(data) >= 256 * 1024:
-        await asyncio.to_thread(update, data)
-    else:
-        update(data)
+def _update_all(hasher: Hasher, parts: list[bytes]) -> None:
+    for part in parts:
+        hasher.update(part)
