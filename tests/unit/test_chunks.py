@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import DigestMismatch, NotFound, single_chunk
+from buildvault.storage import DigestMismatch, NotFound, StorageFull, single_chunk
 from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams, MissingChunks, cut
 from buildvault.storage.chunks.chunker import cut_stream
 from buildvault.storage.chunks.store import NAMESPACE
@@ -209,6 +209,18 @@ async def test_chunks_survive_a_restart_of_the_disk_store(tmp_path: Path) -> Non
         assert await storage.cas.find_missing([digest]) == [digest]  # kept as chunks, not whole
     finally:
         await storage.close()
+
+
+async def test_a_blob_larger_than_the_disk_store_is_refused_not_listed(tmp_path: Path) -> None:
+    """Its last chunks evict its first (no eviction hold): no list may name them, StorageFull."""
+    data = random.Random(8).randbytes(5 << 20)  # the advertised parameters: chunks up to 2 MiB
+    digest = Digest.of(data)
+    async with await DiskStorage.open(tmp_path / "store", 4 << 20, hold_seconds=0) as storage:
+        store = ChunkedBlobStore(storage.cas, storage.ac)
+        with pytest.raises(StorageFull):
+            await store.write(digest, single_chunk(data))
+        assert await store.chunk_list(digest) is None
+        assert await store.find_missing([digest]) == [digest]
 
 
 async def test_the_dedup_figures_count_each_distinct_chunk_once_however_it_arrived() -> None:

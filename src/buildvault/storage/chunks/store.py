@@ -7,7 +7,8 @@ namespace `chunks`, keyed by the blob's hash (a serialized SplitBlobResponse). T
 share content share chunks, stored once, and SplitBlob answers from the list.
 
 Rules this decorator keeps:
-- A chunk list is written only after every chunk it names is stored and the whole blob's size
+- A chunk list is written only after every chunk it names is stored (and still is: a store
+  smaller than the blob evicts its first chunks; StorageFull then) and the whole blob's size
   and hash were verified: a failed or mismatching write leaves no list (its chunks, each a valid
   blob of its own, are left to the LRU).
 - A chunked blob is present only while its list and every chunk are: FindMissingBlobs and reads
@@ -32,6 +33,7 @@ from buildvault.storage import (
     DigestMismatch,
     InvalidRange,
     NotFound,
+    StorageFull,
     ac_namespace,
     read_blobs_one_by_one,
     write_blobs_one_by_one,
@@ -247,6 +249,11 @@ class ChunkedBlobStore(ForwardingBlobStore):
             raise DigestMismatch(
                 f"uploaded bytes ({received} bytes, {digest.function.label} {hasher.hexdigest()}) do not match {digest}"
             )
+        # A store smaller than the blob (or one evicting hard) may have dropped a chunk stored
+        # earlier in this write: a list then would answer OK for a blob already missing.
+        evicted = await self.inner.find_missing(list(dict.fromkeys(listed)))
+        if evicted:
+            raise StorageFull(f"blob {digest}: {len(evicted)} of its chunks were evicted while it was written")
         await self._put_list(digest, listed)
         self._count(digest, listed)
         return listed
