@@ -16,6 +16,7 @@ import hashlib
 import http.client
 import json
 import os
+import random
 import subprocess
 import sys
 import urllib.error
@@ -189,6 +190,20 @@ def test_repair_refetches_damaged_and_missing_blobs_from_the_bucket(
             assert response.read() == outputs[name]
 
 
+def _blobs_whose_chunks_are_files(params: ChunkingParams) -> tuple[bytes, bytes, bytes]:
+    """Three 3 MiB blobs (the second sharing the first's first 2 MiB) none of whose chunks is small
+    enough to be an LMDB record (a blob's last chunk is whatever is left, so it can be tiny): the
+    test damages chunk files. Seeded, so every run uses the same blobs."""
+    for seed in range(100):
+        rng = random.Random(seed)
+        kept = rng.randbytes(3 << 20)
+        sibling = kept[: 2 << 20] + rng.randbytes(1 << 20)  # shares kept's first chunks
+        damaged = rng.randbytes(3 << 20)
+        if all(len(c) > 64 << 10 for blob in (kept, sibling, damaged) for c in cut(blob, params)):
+            return kept, sibling, damaged
+    raise AssertionError("no seed below 100 gives chunks that are all files")
+
+
 def _chunk_path(data_dir: Path, chunk: bytes) -> Path:
     digest = hashlib.sha256(chunk).hexdigest()
     return data_dir / "cas" / "sha256" / digest[:2] / f"{digest}-{len(chunk)}"
@@ -219,9 +234,7 @@ def test_verify_checks_chunk_lists_and_their_chunks(buildvault_server) -> None:
     base = f"http://{buildvault_server.http_address}"
     data_dir = Path(buildvault_server.data_dir)
     params = ChunkingParams()
-    kept = os.urandom(3 << 20)
-    sibling = kept[: 2 << 20] + os.urandom(1 << 20)  # shares kept's first chunks
-    damaged = os.urandom(3 << 20)
+    kept, sibling, damaged = _blobs_whose_chunks_are_files(params)
     for blob in (kept, sibling, damaged):
         _put(base, f"/cas/{hashlib.sha256(blob).hexdigest()}", blob)
     action = hashlib.sha256(b"links kept").hexdigest()
