@@ -344,7 +344,7 @@ async def test_hung_bucket_holds_up_neither_writes_nor_shutdown(s3, buildvault_s
         if when == "from the start":
             wait_for(lambda: server_metric(server, "buildvault_upload_journal_backlog") >= len(data) + 1
                      and server_metric(server, "buildvault_object_store_up") == 0 and hung.held >= 1,
-                     30, "the writes journaled, the bucket marked down and a call stuck on it")  # fmt: skip
+                     60, "the writes journaled, the bucket marked down and a call stuck on it")  # fmt: skip
         else:
             wait_for(lambda: server_metric(server, "buildvault_upload_journal_in_flight") >= 1, 30,
                      "uploads stuck on the hung bucket")  # fmt: skip
