@@ -4,7 +4,7 @@
     buildvault run [options] -- CMD ...      one build step through the cache (client/run/)
     buildvault cmake-module-path             where buildvault.cmake is
     buildvault artifact push|pull|pin|unpin|pins ...   whole-build artifacts, golden versions
-    buildvault asset fetch URL... --sha256 HEX | push FILE --uri URL   external downloads (Remote Asset)
+    buildvault asset fetch|push|pin|unpin|pins ...   external downloads (Remote Asset), golden versions
 
 Every Settings field is a flag, generated from the field's metadata (parser, help, metavar),
 so flags, BUILDVAULT_<NAME> variables and TOML keys can never drift apart. Precedence:

@@ -2,8 +2,10 @@
 
 A pin index is the action entry `ac/<ac namespace>/sha256/<pins.INDEX_DIGEST>` of an instance.
 It never ages out, nor does the action entry of any artifact it pins (named by its `.key`
-blobs). Their blobs are kept as every kept entry's are: the pin index is itself an ActionResult
-whose output directories are the pinned Trees and whose output files are the `.key` blobs.
+blobs), nor the asset index entries an asset pin names (its `.entries` blob). Their blobs are
+kept as every kept entry's are: the pin index is itself an ActionResult whose output directories
+are the pinned Trees and whose output files are the `.key` blobs and each pinned asset's content
+and `.entries` blob.
 """
 
 from __future__ import annotations
@@ -57,4 +59,8 @@ def pinned_entries(prefix: str, index_keys: Iterable[str], get: Get) -> set[str]
             key = pins.parse_artifact_key(text) if text is not None else None
             if key is not None:
                 held.add(f"{prefix}ac/{parts[0]}/sha256/{key[0]}")
+        for entries_blob in pins.asset_entry_blobs(index):
+            text = get(f"{prefix}cas/sha256/{entries_blob.hash}") if entries_blob.hash else None
+            for function, hash_, _size in pins.parse_asset_entries(text or b""):
+                held.add(f"{prefix}ac/{pins.asset_namespace(parts[0])}/{function}/{hash_}")
     return held

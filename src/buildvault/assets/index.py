@@ -35,7 +35,7 @@ from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import ra_pb2, re_pb2
 from buildvault.storage import ActionStore, BlobStore, NotFound, StorageError, ac_namespace
 
-__all__ = ["ENTRY_KIND", "AssetIndex", "Entry", "sri_key", "uri_key"]
+__all__ = ["ENTRY_KIND", "AssetIndex", "Entry", "key_digest", "sri_key", "uri_key"]
 
 ENTRY_KIND = "asset"
 _WORKER = "buildvault-asset"
@@ -50,7 +50,7 @@ def sri_key(checksum: Checksum) -> str:
     return f"sri {checksum.sri}\n"
 
 
-def _key_digest(key: str, function: DigestFunction) -> Digest:
+def key_digest(key: str, function: DigestFunction) -> Digest:
     # Hashed with the asset's own digest function: storage keys carry it, so a BLAKE3 asset never
     # answers a SHA-256 request, and gc reads the entry's blobs under the right function.
     return Digest.of(key.encode(), function)
@@ -174,7 +174,7 @@ class AssetIndex:
 
     @staticmethod
     def _where(instance: str, function: DigestFunction, key: str) -> tuple[str, Digest]:
-        return ac_namespace(instance, ENTRY_KIND), _key_digest(key, function)
+        return ac_namespace(instance, ENTRY_KIND), key_digest(key, function)
 
     async def get(self, instance: str, function: DigestFunction, key: str) -> Entry | None:
         namespace, digest = self._where(instance, function, key)

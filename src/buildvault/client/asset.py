@@ -4,6 +4,9 @@ sources, a mirror of an internal tarball).
     buildvault asset fetch URL... --sha256 HEX [-o FILE]    the cache first, else the server
                                                           downloads it (its rules), else an error
     buildvault asset push FILE --uri URL [--uri URL...]     a writer stores FILE under the URLs
+    buildvault asset pin URL... --sha256 HEX --label LABEL  a writer keeps it (a golden pin:
+                                                          never evicted, never removed by gc)
+    buildvault asset unpin LABEL | pins                     remove a pin | list them
 
 The server comes from `--remote` or BUILDVAULT_REMOTE (grpc://host:port), credentials from
 BUILDVAULT_TOKEN / BUILDVAULT_TOKEN_FILE, TLS from BUILDVAULT_TLS_CA (client/remote.py). The
@@ -14,6 +17,7 @@ miss or a mismatch exits 1 with the reason on stderr (2: usage).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import sys
@@ -25,9 +29,12 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from buildvault import pins
+from buildvault.assets.index import key_digest, sri_key, uri_key
 from buildvault.assets.request import SRI_QUALIFIER, Checksum
-from buildvault.client.remote import RemoteError, TokenSource, open_channel
-from buildvault.digest import Digest
+from buildvault.client.pin_index import read_index, remove_asset_pin, set_asset_pin
+from buildvault.client.remote import Remote, RemoteError, TokenSource, open_channel
+from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import bs_grpc, bs_pb2, ra_grpc, ra_pb2, re_grpc, re_pb2
 
 __all__ = ["add_asset_parser", "main_asset"]
@@ -40,16 +47,24 @@ def add_asset_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     parser = commands.add_parser("asset", help="fetch or push external downloads through the cache (Remote Asset)")
     sub = parser.add_subparsers(dest="asset_command", metavar="ACTION", required=True)
     for name, text in (("fetch", "fetch URL into FILE: from the cache, else through the server"),
-                       ("push", "store FILE under the URLs (needs write permission)")):  # fmt: skip
+                       ("push", "store FILE under the URLs (needs write permission)"),
+                       ("pin", "fetch it (cache first), then pin it as LABEL: kept through eviction and gc"),
+                       ("unpin", "remove asset pin LABEL"),
+                       ("pins", "list asset pins: LABEL, HASH/SIZE")):  # fmt: skip
         p = sub.add_parser(name, help=text)
         p.add_argument("--remote", default=None, help="grpc://host:port (default: BUILDVAULT_REMOTE)")
         p.add_argument("--instance", default=None, help="REAPI instance name (default: BUILDVAULT_INSTANCE)")
         p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="for the whole call")
-        if name == "fetch":
+        if name in ("fetch", "pin"):
             p.add_argument("urls", nargs="+", metavar="URL", help="the origin URL and any mirrors")
             p.add_argument("--sha256", required=True, metavar="HEX", help="the content's SHA-256")
+        if name == "fetch":
             p.add_argument("-o", "--output", default=None, metavar="FILE", help="default: the URL's file name")
-        else:
+        elif name == "pin":
+            p.add_argument("--label", required=True, metavar="LABEL", help="the pin's name")
+        elif name == "unpin":
+            p.add_argument("label", metavar="LABEL")
+        elif name == "push":
             p.add_argument("file", metavar="FILE")
             p.add_argument("--uri", action="append", required=True, metavar="URL", help="a URL it is known by")
 
@@ -137,13 +152,20 @@ class _Client:
         return digest
 
 
-def _fetch(client: _Client, args: argparse.Namespace) -> int:
+def _sha256(text: str) -> bytes | None:
     try:
-        raw = bytes.fromhex(args.sha256)
+        raw = bytes.fromhex(text)
     except ValueError:
         raw = b""
     if len(raw) != 32:
-        _say(f"--sha256 {args.sha256!r}: want 64 hex digits")
+        _say(f"--sha256 {text!r}: want 64 hex digits")
+        return None
+    return raw
+
+
+def _fetch(client: _Client, args: argparse.Namespace) -> int:
+    raw = _sha256(args.sha256)
+    if raw is None:
         return USAGE
     output = Path(args.output) if args.output else Path(Path(urlsplit(args.urls[0]).path).name or "download")
     if output.is_file():  # already here with the right content: nothing to do
@@ -181,6 +203,47 @@ def _push(client: _Client, args: argparse.Namespace) -> int:
     return OK
 
 
+def _pin_remote(client: _Client, remote: str) -> Remote:
+    return Remote(remote, client.instance, timeout=client.timeout, upload_timeout=client.timeout)
+
+
+def _pin(client: _Client, args: argparse.Namespace, remote: str) -> int:
+    """FetchBlob (a hit, or the server's download), then pin the blob and the index entries a
+    fetch of it is answered from: its checksum's, and each URL's (without other qualifiers)."""
+    raw = _sha256(args.sha256)
+    if raw is None:
+        return USAGE
+    request = ra_pb2.FetchBlobRequest(
+        instance_name=client.instance,
+        uris=args.urls,
+        qualifiers=[ra_pb2.Qualifier(name=SRI_QUALIFIER, value=_sri(raw))],
+    )
+    answer = client.fetch.FetchBlob(request, timeout=args.timeout, metadata=client.metadata)
+    content = Digest.from_proto(answer.blob_digest)
+    keys = [sri_key(Checksum("sha256", raw))] + [uri_key(url, []) for url in args.urls]
+    with contextlib.closing(_pin_remote(client, remote)) as pins_remote:
+        set_asset_pin(pins_remote, args.label, content, [key_digest(k, DigestFunction.SHA256) for k in keys])
+    print(f"[buildvault] PINNED asset={args.urls[0]} blob={content.hash}/{content.size_bytes} pin={args.label}")
+    return OK
+
+
+def _unpin(client: _Client, args: argparse.Namespace, remote: str) -> int:
+    with contextlib.closing(_pin_remote(client, remote)) as pins_remote:
+        if not remove_asset_pin(pins_remote, args.label):
+            _say(f"no asset pin {args.label}")
+            return FAILED
+    print(f"[buildvault] UNPINNED asset pin={args.label}")
+    return OK
+
+
+def _pins(client: _Client, args: argparse.Namespace, remote: str) -> int:
+    with contextlib.closing(_pin_remote(client, remote)) as pins_remote:
+        index = read_index(pins_remote)
+    for label, blob in sorted(pins.pinned_assets(index).items()):
+        print(f"{label}\t{blob.hash}/{blob.size_bytes}")
+    return OK
+
+
 def main_asset(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     remote = args.remote or env.get("BUILDVAULT_REMOTE", "")
@@ -193,8 +256,16 @@ def main_asset(args: argparse.Namespace, env: Mapping[str, str] | None = None) -
     except RemoteError as e:
         _say(str(e))
         return USAGE
+    label = getattr(args, "label", None)
+    if label is not None and not pins.valid_name(label):
+        _say(f"label {label!r}: use letters, digits and _ . + - (not starting with . or -)")
+        return USAGE
     try:
-        return _fetch(client, args) if args.asset_command == "fetch" else _push(client, args)
+        if args.asset_command == "fetch":
+            return _fetch(client, args)
+        if args.asset_command == "push":
+            return _push(client, args)
+        return {"pin": _pin, "unpin": _unpin, "pins": _pins}[args.asset_command](client, args, remote)
     except grpc.RpcError as e:
         _say(f"{e.code().name}: {e.details()}")
         return FAILED

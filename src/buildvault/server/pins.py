@@ -3,7 +3,7 @@
 Clients write pins as an ordinary ActionResult under the fixed pin-index key (buildvault/pins.py),
 one per instance. The registry hands the protector every blob a pin reaches (each pinned Tree,
 every file and directory in it, the `.key` blobs) and the action entries to keep (the index
-itself and each pinned artifact's entry). It learns a pin index three ways:
+itself, each pinned artifact's entry, each pinned asset's index entries and content). It learns a pin index three ways:
 - at start-up, from the local tier, for every instance that has entries there (`load`);
 - when one is written through this server, for any instance (`PinningActionStore.put`);
 - with a bucket, every `pins_refresh` seconds from the bucket, for every instance known here
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 Protector = Callable[[Iterable[Digest], Iterable[tuple[str, Digest]]], None]
 MAX_TREE_BYTES = 64 << 20
+MAX_ENTRIES_BYTES = 64 << 10  # an asset pin's `.entries` blob: a few lines
 MAX_WATCHED = 1000  # instances whose pin index is read from the bucket each round (one GET each)
 
 
@@ -106,8 +107,27 @@ class PinRegistry:
                         actions.add((namespace, Digest.parse(*key, DigestFunction.SHA256)))
                 except (NotFound, ValueError):
                     continue
+            actions |= await self._asset_entries(namespace, index)
         self.pinned_blobs, self.pinned_actions = blobs, actions
         self.protect(blobs, actions)
+
+    async def _asset_entries(self, namespace: str, index: re_pb2.ActionResult) -> set[tuple[str, Digest]]:
+        """The asset index entries the index's asset pins keep (their content blobs are output
+        files of the index, kept with the others)."""
+        out: set[tuple[str, Digest]] = set()
+        for entries_blob in pins.asset_entry_blobs(index):
+            d = _digest(entries_blob)
+            try:
+                data = await read_blob(self.blobs, d, MAX_ENTRIES_BYTES) if d else b""
+            except (NotFound, ValueError):
+                continue
+            for function, hash_, size in pins.parse_asset_entries(data):
+                try:
+                    key = Digest.parse(hash_, size, DigestFunction.from_label(function))
+                except InvalidDigest:
+                    continue
+                out.add((pins.asset_namespace(namespace), key))
+        return out
 
     async def load(self, actions: ActionStore, namespaces: Iterable[str] = ("ac",)) -> None:
         """Read the pin index of each kind-"ac" namespace in `namespaces` at start-up."""
@@ -151,13 +171,17 @@ class PinRegistry:
         return watcher.aclose
 
     def listing(self) -> list[dict[str, str]]:
-        """Every pin, for the status page: instance namespace, artifact name, label, Tree digest."""
+        """Every pin, for the status page: instance namespace, artifact name, label, Tree digest;
+        an asset pin's name is `assets` and it has the asset's `blob` digest instead."""
         out = []
         for namespace, index in sorted(self.indexes.items()):
             for path, tree in sorted(pins.pinned_trees(index).items()):
                 name, _, label = path.partition("/")
                 out.append({"namespace": namespace, "name": name, "label": label,
                             "tree": f"{tree.hash}/{tree.size_bytes}"})
+            for label, blob in sorted(pins.pinned_assets(index).items()):
+                out.append({"namespace": namespace, "name": pins.ASSET_DIR, "label": label,
+                            "blob": f"{blob.hash}/{blob.size_bytes}"})
         return out
 
 

@@ -22,6 +22,7 @@ from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 
 from ..keys import FileHasher
+from ..pin_index import read_index, write_index
 from ..remote import Remote, RemoteError
 from ..roots import Roots
 from .key import InputWalker
@@ -133,19 +134,9 @@ def _artifact_tree(result: re_pb2.ActionResult) -> re_pb2.Digest:
     return dirs[0].tree_digest
 
 
-def _read_index(remote: Remote) -> re_pb2.ActionResult:
-    return remote.get_action_result(pins.INDEX_DIGEST) or re_pb2.ActionResult()
-
-
-def _write_index(remote: Remote, index: re_pb2.ActionResult) -> None:
-    blobs = {pins.INDEX_DIGEST: pins.INDEX_ACTION, Digest.of(pins.INDEX_COMMAND_BLOB): pins.INDEX_COMMAND_BLOB}
-    remote.upload({d: blobs[d] for d in remote.find_missing(blobs)})
-    remote.update_action_result(pins.INDEX_DIGEST, index)
-
-
 def set_pin(remote: Remote, name: str, label: str, key: Digest, tree: re_pb2.Digest) -> None:
     """Add (or move) pin NAME/LABEL to the artifact `key` whose Tree is `tree` (read-modify-write)."""
-    index = _read_index(remote)
+    index = read_index(remote)
     path = f"{name}/{label}"
     kept = re_pb2.ActionResult()
     kept.output_directories.extend(d for d in index.output_directories if d.path != path)
@@ -155,18 +146,18 @@ def set_pin(remote: Remote, name: str, label: str, key: Digest, tree: re_pb2.Dig
     kd = Digest.of(key_blob)
     remote.upload({kd: key_blob} if remote.find_missing([kd]) else {})
     kept.output_files.add(path=f"{path}.key", digest=kd.to_proto(re_pb2.Digest))
-    _write_index(remote, kept)
+    write_index(remote, kept)
 
 
 def remove_pin(remote: Remote, name: str, label: str) -> bool:
-    index = _read_index(remote)
+    index = read_index(remote)
     path = f"{name}/{label}"
     if path not in pins.pinned_trees(index):
         return False
     kept = re_pb2.ActionResult()
     kept.output_directories.extend(d for d in index.output_directories if d.path != path)
     kept.output_files.extend(f for f in index.output_files if f.path != f"{path}.key")
-    _write_index(remote, kept)
+    write_index(remote, kept)
     return True
 
 
@@ -221,7 +212,7 @@ def pull(args: argparse.Namespace, env: Mapping[str, str], remote: Remote) -> in
     if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
         raise SpecError(f"--dest {args.dest}: must be absent or an empty directory")
     if args.pinned:
-        tree = pins.pinned_trees(_read_index(remote)).get(f"{args.name}/{args.pinned}")
+        tree = pins.pinned_trees(read_index(remote)).get(f"{args.name}/{args.pinned}")
         shown = f"pin={args.pinned}"
     else:
         key = _key_from_args(args)
@@ -273,7 +264,7 @@ def unpin(args: argparse.Namespace, env: Mapping[str, str], remote: Remote) -> i
 
 
 def list_pins(args: argparse.Namespace, env: Mapping[str, str], remote: Remote) -> int:
-    index = _read_index(remote)
+    index = read_index(remote)
     keys = {f.path[: -len(".key")]: f.digest for f in index.output_files if f.path.endswith(".key")}
     key_text = remote.download([Digest.from_proto(d) for d in keys.values()]) if keys else {}
     for path in sorted(pins.pinned_trees(index)):
