@@ -115,6 +115,7 @@ class Settings:
     chunking: bool = _setting(
         True, parse_bool, "keep large blobs as FastCDC 2020 chunks and serve SplitBlob/SpliceBlob (false: off)", "BOOL"
     )
+    # The spec's published results chunk blobs from 2 MiB up; smaller ones rarely share regions.
     chunking_threshold: int = _setting(
         parse_size("2MiB"), parse_size, "blobs of at least this size are kept as chunks", "SIZE"
     )

@@ -58,8 +58,9 @@ def digest_key(digest: Digest) -> str:
 
 
 def _proto_digest(message: re_pb2.Digest) -> Digest | None:
+    """`Digest.from_proto`, None for a malformed digest (a page shows what it can)."""
     try:
-        return Digest.parse(message.hash, message.size_bytes, DigestFunction.SHA256)
+        return Digest.from_proto(message)
     except InvalidDigest:
         return None
 

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from buildvault.config import Settings
 from buildvault.history.metadata import Metadata, parse_metadata
 from buildvault.history.store import HistoryStore
 
@@ -27,8 +28,9 @@ __all__ = ["DEFAULT_MAX_SIZE", "DEFAULT_RETENTION", "Record", "Recorder", "histo
 
 log = logging.getLogger("buildvault.history")
 
-DEFAULT_RETENTION = 7 * 86400.0
-DEFAULT_MAX_SIZE = 1 << 30
+# The settings' defaults, for a recorder built outside the server (tests, tools).
+DEFAULT_RETENTION = Settings.history_retention
+DEFAULT_MAX_SIZE = Settings.history_max_size
 # The writer thread's Python work (a row's conversion, its totals) holds the GIL; a long stretch
 # of it makes the event loop wait up to the interpreter's switch interval (5 ms) for a request.
 # Yielding every few rows keeps those stalls to microseconds (measured: GetActionResult at c1

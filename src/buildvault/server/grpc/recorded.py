@@ -135,35 +135,37 @@ def _resource(name: str, upload: bool) -> tuple[str, str, int]:
 
 
 def _read(recorder: Recorder, behaviour: Callable[..., Any]) -> Callable[..., Any]:
-    async def generator(request: Any, context: Any) -> AsyncIterator[Any]:
-        started = time.time()
-        clock = time.perf_counter()
+    def finish(request: Any, context: Any, started: float, clock: float, error: BaseException | None) -> None:
         instance, digest, size = _resource(request.resource_name, False)
+        if error is None:
+            code = _code_of(context, grpc.StatusCode.OK)
+            outcome = "download" if code is grpc.StatusCode.OK else "failed"
+        else:
+            code, outcome, size = _error_code(context, error), "failed", 0
+        _note(recorder, "read", instance, digest, outcome, code, size, started, clock, context)
+
+    async def streamed(request: Any, context: Any) -> AsyncIterator[Any]:
+        started, clock = time.time(), time.perf_counter()
         try:
             async for response in behaviour(request, context):
                 yield response
         except BaseException as e:
-            _note(recorder, "read", instance, digest, "failed", _error_code(context, e), 0, started, clock, context)
+            finish(request, context, started, clock, e)
             raise
-        code = _code_of(context, grpc.StatusCode.OK)
-        outcome = "download" if code is grpc.StatusCode.OK else "failed"
-        _note(recorder, "read", instance, digest, outcome, code, size, started, clock, context)
+        finish(request, context, started, clock, None)
 
-    async def writing(request: Any, context: Any) -> Any:
-        started = time.time()
-        clock = time.perf_counter()
-        instance, digest, size = _resource(request.resource_name, False)
+    async def written(request: Any, context: Any) -> Any:
+        """A handler that sends its responses with `context.write` rather than yielding them."""
+        started, clock = time.time(), time.perf_counter()
         try:
             result = await behaviour(request, context)
         except BaseException as e:
-            _note(recorder, "read", instance, digest, "failed", _error_code(context, e), 0, started, clock, context)
+            finish(request, context, started, clock, e)
             raise
-        code = _code_of(context, grpc.StatusCode.OK)
-        outcome = "download" if code is grpc.StatusCode.OK else "failed"
-        _note(recorder, "read", instance, digest, outcome, code, size, started, clock, context)
+        finish(request, context, started, clock, None)
         return result
 
-    return generator if inspect.isasyncgenfunction(behaviour) else writing
+    return streamed if inspect.isasyncgenfunction(behaviour) else written
 
 
 def _write(recorder: Recorder, behaviour: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,6 +26,7 @@ from aiohttp import web
 from google.protobuf.message import DecodeError
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from buildvault.config import Settings, parse_list
 from buildvault.digest import Digest, InvalidDigest, verify_instance_name
 from buildvault.history.actions import (
     ActionView,
@@ -51,7 +52,7 @@ from buildvault.storage import ActionStore, BlobStore, NotFound, ac_namespace
 
 __all__ = ["BuildPages", "DEFAULT_SECRET_PATTERNS"]
 
-DEFAULT_SECRET_PATTERNS = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*KEY*")
+DEFAULT_SECRET_PATTERNS = parse_list(Settings.history_secret_patterns)
 MASK = "••••••"
 # The most bytes of stdout/stderr shown inline on the action page.
 INLINE_LIMIT = 64 << 10

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from google.protobuf.message import DecodeError
 
+from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction, Hasher, InvalidDigest, new_hasher
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import (
@@ -42,8 +43,7 @@ from buildvault.storage.chunks.chunker import ChunkingParams, Piece, cut_stream
 from buildvault.storage.decorator import ForwardingBlobStore
 
 NAMESPACE = ac_namespace("", "chunks")
-# The spec's published results chunk blobs from 2 MiB up; smaller ones rarely share regions.
-DEFAULT_THRESHOLD = 2 << 20
+DEFAULT_THRESHOLD = Settings.chunking_threshold
 # A SpliceBlob naming more chunks than this is refused (a blob of 100,000 tiny chunks would
 # cost a store call per chunk for no dedup).
 MAX_SPLICE_CHUNKS = 65_536

@@ -271,29 +271,23 @@ class Index:
         return victims
 
     def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-        """The digests not stored, in input order, each once."""
-        entries: dict[Any, int] = self.entries
-        now = self.now()
-        fn_byte = FN_BYTE
-        fromhex = bytes.fromhex
-        seen: set[object] = set()
-        missing: list[Digest] = []
-        for digest in digests:
-            key: Any
-            try:
-                key = fn_byte[digest.function] + fromhex(digest.hash) + digest.size_bytes.to_bytes(SIZE_BYTES, "big")
-                if len(key) != 39:
-                    key = digest  # malformed: never stored
-            except (ValueError, TypeError, OverflowError):
-                key = digest
-            if key in seen:
-                continue
-            seen.add(key)
-            if entries.pop(key, None) is None:
-                missing.append(digest)
-            else:  # a client told "present" will reference it soon: keep it
-                entries[key] = now
-        return missing
+        """The digests not stored, in input order, each once (`missing_indices` per digest function)."""
+        functions = {d.function for d in digests}
+        if len(functions) <= 1:  # the usual case: one function, one pass
+            groups = [list(range(len(digests)))] if digests else []
+        else:
+            groups = [[i for i, d in enumerate(digests) if d.function is f] for f in functions]
+        missing: list[int] = []
+        for group in groups:
+            absent = self.missing_indices(
+                digests[group[0]].function,
+                [digests[i].hash for i in group],
+                [digests[i].size_bytes for i in group],
+            )
+            missing += (group[j] for j in absent)
+        if len(groups) > 1:
+            missing.sort()
+        return [digests[i] for i in missing]
 
     def missing_indices(self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]) -> list[int]:
         """find_missing without Digest objects: positions of the absent (first occurrences), ascending."""
