@@ -549,6 +549,43 @@ def test_with_several_processes_every_process_serves_fetches(buildvault_server_f
     )
 
 
+def test_with_several_processes_identical_concurrent_fetches_download_once(buildvault_server_factory, origin):
+    from auth_setup import metric
+    from polling import wait_for
+
+    server = buildvault_server_factory(
+        extra_args=["--local-workers", "0", "--processes", "2", "--asset-allow-hosts", "127.0.0.1"]
+    )
+    data = random.randbytes(400_000)
+    origin.files["/slow.tgz"] = data
+    origin.slow["/slow.tgz"] = 0.005  # 1 KiB each 5 ms: about two seconds, while every call is in
+    before = metric(server.http_address, "buildvault_secondary_requests_total", {"process": "1"})
+    callers = 12
+
+    async def one() -> re_pb2.Digest:
+        # A channel and a local subchannel pool each: a connection each, spread over the processes.
+        options = [*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        async with grpc.aio.insecure_channel(server.grpc_address, options=options) as channel:
+            request = ra_pb2.FetchBlobRequest(
+                uris=[origin.url("/slow.tgz")], qualifiers=[Q(name="checksum.sri", value=sri(data))]
+            )
+            return (await ra_grpc.FetchStub(channel).FetchBlob(request)).blob_digest
+
+    async def all_of_them() -> list[re_pb2.Digest]:
+        return await asyncio.gather(*(one() for _ in range(callers)))
+
+    answers = asyncio.run(all_of_them())
+    assert answers == [digest(data)] * callers
+    assert origin.count("/slow.tgz") == 1
+    wait_for(
+        lambda: metric(server.http_address, "buildvault_secondary_requests_total", {"process": "1"}) > before,
+        30,
+        "the secondary's relayed requests (some of the calls reached it)",
+    )
+    served = metric(server.http_address, "buildvault_secondary_requests_total", {"process": "1"}) - before
+    assert served < callers  # and some reached the primary
+
+
 async def test_health_reports_the_asset_services(tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

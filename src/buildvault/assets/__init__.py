@@ -5,6 +5,7 @@
 - `index.py`: the asset index, entries kept where action entries live (ActionStore, kind `asset`);
 - `origin.py`: downloads from the origin: the SSRF rules, bounds, checksum verification, the
   body streamed into the CAS;
+- `locks.py`: one download of an asset across the server's processes (a lock file each);
 - `service.py`: Fetch and Push behaviour (hit, download, dedup, who may download), knowing
   nothing of gRPC (server/grpc/fetch.py and push.py are its adapters).
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from buildvault.config import Settings
     from buildvault.storage import ActionStore, BlobStore
 
-SPOOL_DIR = "asset-downloads"  # under the data directory: a download not yet verified
+SPOOL_DIR = "asset-downloads"  # under the data directory: a download not yet verified, the locks
 
 
 def build_assets(
@@ -35,6 +36,7 @@ def build_assets(
     """The Remote Asset service of a server process, from its settings (the one place it is
     assembled). The primary clears the spool directory of a crash's leftovers."""
     from buildvault.assets.index import AssetIndex
+    from buildvault.assets.locks import DownloadLocks
     from buildvault.assets.origin import OriginFetcher, OriginRules
     from buildvault.assets.service import Assets
 
@@ -56,5 +58,9 @@ def build_assets(
         if primary:
             fetcher.clean_spool()
     return Assets(
-        AssetIndex(actions, blobs), fetcher, reader_downloads=settings.asset_reader_downloads, recorder=recorder
+        AssetIndex(actions, blobs),
+        fetcher,
+        reader_downloads=settings.asset_reader_downloads,
+        recorder=recorder,
+        locks=DownloadLocks(Path(settings.dir) / SPOOL_DIR) if fetcher is not None else None,
     )

@@ -202,9 +202,9 @@ class OriginFetcher:
         return self._session
 
     def clean_spool(self) -> None:
-        """Remove what a crash left in the spool directory (the primary, at start-up, before any
-        process downloads)."""
-        for stale in self.spool_dir.glob("download-*"):
+        """Remove what a crash left in the spool directory, partial downloads and lock files (the
+        primary, at start-up, before any process downloads)."""
+        for stale in [*self.spool_dir.glob("download-*"), *self.spool_dir.glob("lock-*")]:
             with contextlib.suppress(OSError):
                 stale.unlink()
 

@@ -4,7 +4,9 @@ FetchBlob: an index entry for the request (by checksum, whatever the URL, when t
 one; else by URI and naming qualifiers) that is not expired, not older than
 `oldest_content_accepted`, and whose blob is in the CAS, is a hit. A sha256 checksum whose blob is
 already in the CAS (pushed, or uploaded by a build) is a hit too. Otherwise the origin is tried,
-URI after URI, under the rules of origin.py; identical fetches in flight share one download.
+URI after URI, under the rules of origin.py; identical fetches in flight share one download, in a
+process (one task) and across the server's processes (locks.py: the lock's second holder finds
+the first one's entry in the index).
 
 Who may download (`--asset-reader-downloads`): a caller with write permission always may; a
 reader only when the request carries a checksum (`checksum`, the default: the bytes stored are
@@ -15,6 +17,8 @@ trusts), never (`never`), or always (`always`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +30,7 @@ from google.protobuf.message import DecodeError
 from buildvault.actions import MissingBlobs
 from buildvault.assets.errors import AssetNotFound, AssetTimeout, InvalidAssetRequest
 from buildvault.assets.index import AssetIndex, Entry, sri_key, uri_key
+from buildvault.assets.locks import DownloadLocks
 from buildvault.assets.origin import AttemptFailed, ChecksumMismatch, OriginFetcher, Refused, TooLarge
 from buildvault.assets.request import AssetRequest, public_uri, uri_host
 from buildvault.digest import Digest, DigestFunction
@@ -87,6 +92,7 @@ class Assets:
         reader_downloads: str,  # --asset-reader-downloads (config.py holds the default)
         recorder: FetchRecorder | None = None,
         clock: Callable[[], float] = time.time,
+        locks: DownloadLocks | None = None,  # one download across processes (locks.py)
     ) -> None:
         if reader_downloads not in READER_DOWNLOADS:
             raise ValueError(f"reader_downloads: {reader_downloads!r} is not never, checksum or always")
@@ -95,6 +101,7 @@ class Assets:
         self.reader_downloads = reader_downloads
         self.recorder: FetchRecorder = recorder or CountingRecorder()
         self.clock = clock
+        self.locks = locks
         self._inflight: dict[tuple[object, ...], asyncio.Task[Found]] = {}
 
     async def close(self) -> None:
@@ -108,9 +115,7 @@ class Assets:
     def _answer(self, entry: Entry, request: AssetRequest) -> Found:
         return Found(entry, entry.uri if entry.uri in request.uris else request.uris[0])
 
-    async def fetch_blob(
-        self, request: AssetRequest, *, may_write: bool, oldest: float | None = None, timeout: float | None = None
-    ) -> Found:
+    async def _lookup(self, request: AssetRequest, oldest: float | None) -> Entry | None:
         if request.checksums:
             entry = await self._by_checksums(request, oldest)
         else:
@@ -118,6 +123,12 @@ class Assets:
             entry = await self.index.find(request.instance_name, request.digest_function, keys, oldest=oldest)
         if entry is None and oldest is None:
             entry = await self._in_cas(request)
+        return entry
+
+    async def fetch_blob(
+        self, request: AssetRequest, *, may_write: bool, oldest: float | None = None, timeout: float | None = None
+    ) -> Found:
+        entry = await self._lookup(request, oldest)
         if entry is not None:
             self.recorder.asset_fetch("hit")
             return self._answer(entry, request)
@@ -137,7 +148,7 @@ class Assets:
         key = request.dedup_key()
         task = self._inflight.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._download(request, timeout))
+            task = asyncio.get_running_loop().create_task(self._download_once(request, oldest, timeout))
             self._inflight[key] = task
             task.add_done_callback(lambda done: self._finished(key, done))
         # A caller that goes away does not cancel the download others (or a retry) wait for.
@@ -182,6 +193,29 @@ class Assets:
                 continue
             return Entry(digest, self.clock(), request.uris[0], tuple(request.qualifiers()))
         return None
+
+    async def _download_once(self, request: AssetRequest, oldest: float | None, timeout: float | None) -> Found:
+        """`_download`, once across the server's processes: under the download's lock, and only
+        if the index still has no answer once the lock is ours (another process may have just
+        stored it)."""
+        if self.locks is None:
+            return await self._download(request, timeout)
+        name = hashlib.sha256(repr(request.dedup_key()).encode()).hexdigest()
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                async with asyncio.timeout(timeout):
+                    await held.enter_async_context(self.locks.hold(name))
+            except TimeoutError:
+                self.recorder.asset_fetch("miss")
+                raise AssetTimeout(
+                    "timed out waiting for the same download in another server process",
+                    [(public_uri(u), "timed out") for u in request.uris],
+                ) from None
+            entry = await self._lookup(request, oldest)
+            if entry is not None:
+                self.recorder.asset_fetch("hit")
+                return self._answer(entry, request)
+            return await self._download(request, timeout)
 
     async def _download(self, request: AssetRequest, timeout: float | None) -> Found:
         assert self.fetcher is not None
