@@ -28,10 +28,12 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from buildvault.server.auth.credentials import CredentialsFileError
-from buildvault.server.auth.oidc import Identity
+
+if TYPE_CHECKING:
+    from buildvault.server.auth.oidc import Identity
 
 __all__ = ["Caller", "ClaimMatch", "Grant", "Grants", "Permission", "load_access_file"]
 

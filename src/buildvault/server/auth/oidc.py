@@ -53,7 +53,6 @@ __all__ = [
     "OidcVerifier",
     "check_issuer_url",
     "load_jwks_file",
-    "looks_like_jwt",
 ]
 
 log = logging.getLogger("buildvault.auth")
@@ -70,11 +69,6 @@ _REMEMBERED = 4096  # verified tokens kept at most
 _FORBIDDEN_HEADERS = ("jwk", "jku", "x5u", "x5c", "crit")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _PublicKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | ed448.Ed448PublicKey
-
-
-def looks_like_jwt(token: str) -> bool:
-    """A compact JWS (three dot-separated parts): the tokens `buildvault token add` makes have no dot."""
-    return token.count(".") == 2
 
 
 def check_issuer_url(url: str) -> str | None:

@@ -17,15 +17,17 @@ import logging
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from buildvault.config import Settings
 from buildvault.server.auth.audit import AuditLog
 from buildvault.server.auth.credentials import Credentials, CredentialsFileError, load_htpasswd, load_tokens
 from buildvault.server.auth.grants import Grants, load_access_file
-from buildvault.server.auth.oidc import IssuerKeys, OidcVerifier, check_issuer_url, load_jwks_file
 from buildvault.server.auth.policy import Policy, Refusal
 from buildvault.server.auth.tls import Tls, TlsError
+
+if TYPE_CHECKING:
+    from buildvault.server.auth.oidc import IssuerKeys, OidcVerifier
 
 __all__ = ["Auth", "AuthStartupError", "load_policy"]
 
@@ -67,6 +69,10 @@ def oidc_verifier(settings: Settings, known: Mapping[str, IssuerKeys]) -> OidcVe
     of issuers in `known` are kept (fetched keys outlive a reload)."""
     if not settings.oidc_issuer:
         return None
+    # Imported here: PyJWT and cryptography add about 9 MiB to every server's RSS, so only a
+    # server that trusts an issuer loads them.
+    from buildvault.server.auth.oidc import IssuerKeys, OidcVerifier, load_jwks_file
+
     if settings.oidc_jwks_file:
         fixed = load_jwks_file(Path(settings.oidc_jwks_file), settings.oidc_issuer)
         keys = {issuer: IssuerKeys(issuer, fixed.get(issuer, {})) for issuer in settings.oidc_issuer}
@@ -91,10 +97,13 @@ class Auth:
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Any = None) -> Auth:
-        for issuer in settings.oidc_issuer:
-            refused = check_issuer_url(issuer)
-            if refused is not None:
-                raise AuthStartupError(f"oidc_issuer: {refused}")
+        if settings.oidc_issuer:
+            from buildvault.server.auth.oidc import check_issuer_url  # see oidc_verifier
+
+            for issuer in settings.oidc_issuer:
+                refused = check_issuer_url(issuer)
+                if refused is not None:
+                    raise AuthStartupError(f"oidc_issuer: {refused}")
         try:
             policy = load_policy(settings, oidc_verifier(settings, {}))
         except CredentialsFileError as e:
