@@ -13,7 +13,8 @@ from buildvault.server.app import App
 from buildvault.server.auth.runtime import oidc_verifier
 before = sorted(m for m in ("jwt", "cryptography") if m in sys.modules)
 issuers = %r
-oidc_verifier(Settings(oidc_issuer=issuers, oidc_audience="buildvault", access_file="access.toml") if issuers else Settings(), {})
+oidc = dict(oidc_issuer=issuers, oidc_audience="buildvault", access_file="access.toml") if issuers else {}
+oidc_verifier(Settings(**oidc), {})
 after = sorted(m for m in ("jwt", "cryptography") if m in sys.modules)
 print(before, after)
 """
