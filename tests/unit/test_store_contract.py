@@ -19,7 +19,7 @@ from s3_server import aws_env, create_bucket, s3_endpoint, session  # noqa: F401
 
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound
+from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound, fastsum
 from buildvault.storage.build import build_object_tier, open_store_stack
 from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams
 from buildvault.storage.disk import DiskBlobStore, DiskStorage
@@ -391,30 +391,40 @@ async def read_refused(store: BlobStore, digest: Digest) -> bool:
 
 
 async def test_store_verified(store: BlobStore, request: pytest.FixtureRequest) -> None:
-    """store_verified (bytes the caller hashed itself): stored and readable like write_blobs; a
-    size mismatch always refused; a wrong (digest, bytes) pair from a buggy caller either refused
-    now or, by a store that trusts the hash, never served: whole reads verify it."""
+    """store_verified (bytes the caller hashed itself, each with the fast checksum it computed over
+    them): stored and readable like write_blobs; a size mismatch always refused; a buggy caller's
+    pair (it hashed some bytes, named them by their digest and checksum, and handed over others of
+    the same size) either refused now or, by a store that trusts the hash, never served: whole
+    reads verify the digest (a record) or the caller's checksum (a file)."""
     trusted = request.node.callspec.params["store"] in HASH_TRUSTED
     tiny, small, big = os.urandom(100), os.urandom(4000), os.urandom(CHUNK_SIZE + 3)
     stored = os.urandom(77)
     await store.write(Digest.of(stored), chunked(stored))
-    wrong_small, wrong_big = os.urandom(4000), os.urandom(CHUNK_SIZE + 3)
+    wrong_small, wrong_mid, wrong_big = os.urandom(4000), os.urandom(100_000), os.urandom(CHUNK_SIZE + 3)
+
+    def handed(data: bytes) -> tuple[Digest, bytes, bytes]:
+        return Digest.of(data), data, fastsum.of(data)
+
+    def buggy(hashed: bytes) -> tuple[Digest, bytes, bytes]:
+        return Digest.of(hashed), os.urandom(len(hashed)), fastsum.of(hashed)
+
     items = [
-        (Digest.of(tiny), tiny),
-        (Digest.of(small), small),
-        (Digest.of(big), big),  # above the coalesced size: streamed
-        (Digest.of(stored), stored),  # already stored
-        (Digest.of(b"short"), b"shor"),  # size mismatch
-        (Digest.of(wrong_small), os.urandom(4000)),  # a buggy caller: right size, wrong bytes
-        (Digest.of(wrong_big), os.urandom(CHUNK_SIZE + 3)),
+        handed(tiny),
+        handed(small),
+        handed(big),  # above the coalesced size: streamed
+        handed(stored),  # already stored
+        (Digest.of(b"short"), b"shor", fastsum.of(b"short")),  # size mismatch
+        buggy(wrong_small),  # a buggy caller: right size, wrong bytes (a record on disk)
+        buggy(wrong_mid),  # a file written in one trip
+        buggy(wrong_big),  # a streamed file
     ]
     outcomes = await store.store_verified(items)
     names = [type(o).__name__ if o else None for o in outcomes]
     wrong = None if trusted else "DigestMismatch"
-    assert names == [None, None, None, None, "DigestMismatch", wrong, wrong]
+    assert names == [None, None, None, None, "DigestMismatch", wrong, wrong, wrong]
     for data in (tiny, small, big, stored):
         assert await read_all(store, Digest.of(data)) == data
     assert await store.find_missing([Digest.of(b"short")]) == [Digest.of(b"short")]
-    for data in (wrong_small, wrong_big):
+    for data in (wrong_small, wrong_mid, wrong_big):
         assert await read_refused(store, Digest.of(data))
         assert not isinstance((await store.read_blobs([Digest.of(data)]))[0], bytes)

@@ -21,13 +21,16 @@ with the `*_by_digests` / `*_one_by_one` helpers below; a decorator forwards the
 (storage.decorator.ForwardingBlobStore) unless it changes them.
 
 `store_verified` is the one internal path: whole blobs whose caller hashed these exact bytes
-itself, in this process, just before (the chunk store, for the chunks it cut and named). A store
-with a faster way (the disk store) skips re-hashing them and keeps every other rule (the size
-check, atomic publish, capacity); every other store and decorator answers it with its verifying
-`write_blobs` (`OneByOneBatches`, `ForwardingBlobStore`), so a decorator that does not know the
-path loses nothing. A wrong (digest, bytes) pair from a buggy caller is still never served: every
-whole read verifies the hash (tests/unit/test_store_contract.py holds each store to that). No
-front end calls it: bytes from a client are always verified by `write` / `write_blobs`.
+itself, in this process, just before (the chunk store, for the chunks it cut and named), each with
+the fast checksum (storage/fastsum.py) the caller computed over the same bytes in the same pass
+(`Verified`). A store with a faster way (the disk store) skips re-hashing them, keeps every other
+rule (the size check, atomic publish, capacity) and records the caller's checksum, which its
+whole reads verify; every other store and decorator answers it with its verifying `write_blobs`
+(`OneByOneBatches`, `ForwardingBlobStore`), so a decorator that does not know the path loses
+nothing. Bytes other than those the caller hashed (a right-size wrong-bytes pair from a buggy
+caller) are never served: they fail that checksum (tests/unit/test_store_contract.py holds each
+store to that). No front end calls it: bytes from a client are always verified by `write` /
+`write_blobs`.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ __all__ = [
     "StorageError",
     "StorageFull",
     "Unavailable",
+    "Verified",
     "ac_namespace",
+    "as_pairs",
     "close_chunks",
     "find_missing_indices_by_digests",
     "read_blobs_one_by_one",
@@ -125,9 +130,10 @@ class BlobStore(Protocol):
         """Store whole (small) blobs, one call per batch: for each None, or the error writing it raised."""
         ...
 
-    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        """`write_blobs` for bytes the caller hashed itself (internal: see the module docstring); a
-        store may skip re-hashing, never the size check or any other rule."""
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
+        """`write_blobs` for bytes the caller hashed itself, each with the fast checksum of the bytes
+        it hashed (internal: see the module docstring); a store may skip re-hashing, never the size
+        check or any other rule."""
         ...
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
@@ -209,8 +215,18 @@ class OneByOneBatches:
     async def write_blobs(self: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         return await write_blobs_one_by_one(self, items)
 
-    async def store_verified(self: BlobStore, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        return await self.write_blobs(items)  # no faster way: verified like any write
+    async def store_verified(self: BlobStore, items: Sequence[Verified]) -> list[Exception | None]:
+        return await self.write_blobs(as_pairs(items))  # no faster way: verified like any write
+
+
+# A blob for `store_verified`: its digest, its bytes, and the fast checksum (storage/fastsum.py)
+# the caller computed over the bytes it hashed, in the same pass as the digest.
+Verified = tuple[Digest, bytes, bytes]
+
+
+def as_pairs(items: Sequence[Verified]) -> list[tuple[Digest, bytes]]:
+    """`store_verified`'s items as `write_blobs` takes them (a store that verifies them anyway)."""
+    return [(digest, data) for digest, data, _ in items]
 
 
 async def single_chunk(data: bytes) -> AsyncIterator[bytes]:

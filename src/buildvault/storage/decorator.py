@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage import ActionStore, BlobStore, Verified, as_pairs
 
 
 class ForwardingBlobStore:
@@ -43,8 +43,8 @@ class ForwardingBlobStore:
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         return await self.inner.write_blobs(items)
 
-    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        return await self.write_blobs(items)  # see the module docstring: verified unless overridden
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
+        return await self.write_blobs(as_pairs(items))  # see the module docstring: verified unless overridden
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         return await self.inner.lookup(function, hash)

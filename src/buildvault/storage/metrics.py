@@ -17,7 +17,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Protocol
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import ActionStore, BlobStore, NotFound, close_chunks
+from buildvault.storage import ActionStore, BlobStore, NotFound, Verified, as_pairs, close_chunks
 from buildvault.storage.decorator import ForwardingActionStore, ForwardingBlobStore
 
 # The tier that clients see (the whole stack); build.py names the others.
@@ -93,10 +93,10 @@ class MeteredBlobStore(ForwardingBlobStore):
         self.recorder.store_call(self.tier, "write_blobs")
         return self._written(items, await self.inner.write_blobs(items))
 
-    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
         # Forwarded on purpose (metering changes no bytes): the local tier's fast path stays.
         self.recorder.store_call(self.tier, "write_blobs")
-        return self._written(items, await self.inner.store_verified(items))
+        return self._written(as_pairs(items), await self.inner.store_verified(items))
 
     def _written(
         self, items: Sequence[tuple[Digest, bytes]], outcomes: list[Exception | None]

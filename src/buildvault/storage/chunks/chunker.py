@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pyfastcdc import FastCDC
 
 from buildvault.digest import Digest, DigestFunction, new_hasher
+from buildvault.storage import fastsum
 
 # The specification's recommended parameters: average 512 KiB, seed 0.
 DEFAULT_AVG_SIZE = 512 * 1024
@@ -52,10 +53,12 @@ def cut(data: bytes | bytearray | memoryview, params: ChunkingParams) -> list[me
 
 @dataclass(frozen=True)
 class Piece:
-    """One chunk of a stream, with its digest (computed off the event loop)."""
+    """One chunk of a stream, with its digest and the fast checksum of the same bytes, computed in
+    one pass off the event loop (what `BlobStore.store_verified` takes)."""
 
     digest: Digest
     data: bytes
+    fast: bytes
 
 
 def _cut_window(
@@ -73,7 +76,7 @@ def _cut_window(
         data = bytes(view)
         hasher = new_hasher(function)
         hasher.update(data)
-        pieces.append(Piece(Digest(hasher.hexdigest(), len(data), function), data))
+        pieces.append(Piece(Digest(hasher.hexdigest(), len(data), function), data, fastsum.of(data)))
         used += len(data)
     return pieces, used
 

@@ -13,8 +13,9 @@ Rules this decorator keeps:
   blob of its own, are left to the LRU).
 - A chunked blob is present only while its list and every chunk are: FindMissingBlobs and reads
   check the chunks, so a blob whose chunk was evicted is reported missing, never read torn.
-- A chunk is stored through the inner store's `store_verified`: its name was hashed from the
-  very bytes handed over, in `chunker._cut_window`, so the inner store does not hash it again.
+- A chunk is stored through the inner store's `store_verified`: its name and its fast checksum
+  were computed from the very bytes handed over, in `chunker._cut_window`, so the inner store
+  does not hash it again (and its reads check that checksum).
 - Blobs stored whole before chunking was on (or below the threshold) are served as they are.
 """
 
@@ -272,9 +273,10 @@ class ChunkedBlobStore(ForwardingBlobStore):
         unique = {p.digest: p for p in pieces}
         absent = await self.inner.find_missing(list(unique))
         if absent:
-            # Each chunk's name was hashed from these very bytes (chunker._cut_window): the inner
-            # store need not hash them again (storage/__init__.py, `store_verified`).
-            outcomes = await self.inner.store_verified([(d, unique[d].data) for d in absent])
+            # Each chunk's name and fast checksum were computed from these very bytes
+            # (chunker._cut_window): the inner store need not hash them again
+            # (storage/__init__.py, `store_verified`).
+            outcomes = await self.inner.store_verified([(d, unique[d].data, unique[d].fast) for d in absent])
             for outcome in outcomes:
                 if outcome is not None:
                     raise outcome

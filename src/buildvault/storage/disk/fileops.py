@@ -3,7 +3,18 @@
 Whole small entries (verify + temp file + rename, reads of whole files, unlinks) in as few
 syscalls as possible, the streaming temp file of large writes (`TempFile`), the durable
 replacement of a small metadata file (`replace_durably`), and the mapping of OSErrors to
-storage errors. Functions are looked up through this module at call time, so a test can inject
+storage errors.
+
+The fast checksum of a blob file (storage/fastsum.py, XXH3-64) is an extended attribute of the
+file (`FAST_XATTR`), set on the temp file before its rename, so it is in place exactly when the
+file is: computed in the same pass as the digest a write verifies, or the one a `store_verified`
+caller computed over the bytes it hashed. A whole read (`read_many`, `open_range` + `Check`)
+verifies it instead of the digest. A file without one (written before it was recorded, copied
+without its attributes, or on a filesystem without user xattrs) is verified against its digest,
+and the checksum recorded once that matched: blobs are content-addressed, so the checksum of a
+path's verified content is right for every file that path will ever hold.
+
+Functions are looked up through this module at call time, so a test can inject
 a fault (ENOSPC, a slow rename) by replacing one of them.
 
 The pool they run in (`CountingPool`), and how small operations get there (`Coalescer`): every
@@ -27,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from buildvault.digest import Digest, Hasher, new_hasher
-from buildvault.storage import DigestMismatch, StorageError, StorageFull
+from buildvault.storage import DigestMismatch, StorageError, StorageFull, fastsum
 
 log = logging.getLogger("buildvault.storage.disk")
 
@@ -35,6 +46,9 @@ log = logging.getLogger("buildvault.storage.disk")
 OK, MISSING, DAMAGED = range(3)
 FAILED = -1  # read_many: the OSError is in place of the bytes
 NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+# The extended attribute holding a blob file's fast checksum (fastsum.SIZE bytes).
+FAST_XATTR = "user.buildvault.xxh3"
 
 _temp_names = itertools.count()
 _TEMP_PREFIX = secrets.token_hex(6)
@@ -83,6 +97,59 @@ def rename(tmp: str, final: str) -> None:
         os.replace(tmp, final)
 
 
+def recorded_sum(fd: int) -> bytes | None:
+    """The fast checksum recorded with an open blob file, or None (none recorded, or no xattrs here)."""
+    try:
+        value = os.getxattr(fd, FAST_XATTR)
+    except OSError:  # ENODATA: none recorded; ENOTSUP: a filesystem without user xattrs
+        return None
+    return value if len(value) == fastsum.SIZE else None
+
+
+def record_sum(fd: int, value: bytes) -> None:
+    """Record a blob file's fast checksum; where that is impossible, its reads verify the digest."""
+    try:
+        os.setxattr(fd, FAST_XATTR, value)
+    except OSError as e:  # no user xattrs on this filesystem, a read-only store, a full disk
+        log.debug("fast checksum not recorded: %s", e)
+
+
+class Check:
+    """The verification of one whole-file read, fed in order in the worker threads: the fast
+    checksum recorded with the file, or (a file without one) its digest, recording the checksum
+    once the digest matched. `ok` once `finish` found the content right."""
+
+    __slots__ = ("digest", "recorded", "fast", "full", "ok")
+
+    def __init__(self, digest: Digest) -> None:
+        self.digest = digest
+        self.recorded: bytes | None = None
+        self.fast = fastsum.new()
+        self.full: Hasher | None = None
+        self.ok = False
+
+    def start(self, fd: int) -> None:
+        self.recorded = recorded_sum(fd)
+        if self.recorded is None:
+            self.full = new_hasher(self.digest.function)
+
+    def update(self, data: bytes) -> None:
+        self.fast.update(data)
+        if self.full is not None:
+            self.full.update(data)
+
+    def finish(self, fd: int) -> bool:
+        """After the last byte: whether the content is right (recording the checksum if it was verified by digest)."""
+        fast = self.fast.digest()
+        if self.full is None:
+            self.ok = fast == self.recorded
+        else:
+            self.ok = self.full.hexdigest() == self.digest.hash
+            if self.ok:
+                record_sum(fd, fast)
+        return self.ok
+
+
 def check_hash(data: bytes, digest: Digest) -> None:
     """Raise DigestMismatch unless `data` hashes to `digest`."""
     hasher = new_hasher(digest.function)
@@ -92,15 +159,21 @@ def check_hash(data: bytes, digest: Digest) -> None:
         raise DigestMismatch(f"blob {digest}: content hashes to {actual}")
 
 
-def write_small(tmp_dir: str, final: str, data: bytes, digest: Digest | None) -> None:
-    """One whole small entry: verify (CAS), write a temp file, rename it into place."""
+def write_small(tmp_dir: str, final: str, data: bytes, digest: Digest | None, fast: bytes | None = None) -> None:
+    """One whole small entry: verify (CAS), write a temp file with the fast checksum, rename it into
+    place. `digest`: verify the bytes against it and record their checksum; `fast` (a blob whose
+    caller hashed it, store_verified): the checksum the caller computed, recorded as it is; neither
+    (an action entry): no checksum."""
     if digest is not None:
         check_hash(data, digest)
+        fast = fastsum.of(data)
     tmp = f"{tmp_dir}/{_TEMP_PREFIX}{next(_temp_names)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         try:
             write_all(fd, data)
+            if fast is not None:
+                record_sum(fd, fast)
         finally:
             os.close(fd)
         rename(tmp, final)
@@ -109,7 +182,7 @@ def write_small(tmp_dir: str, final: str, data: bytes, digest: Digest | None) ->
         raise
 
 
-def write_many(items: list[tuple[str, str, bytes, Digest | None]]) -> list[Exception | None]:
+def write_many(items: list[tuple[str, str, bytes, Digest | None, bytes | None]]) -> list[Exception | None]:
     """write_small for each item, in one trip: None or the exception, each."""
     results: list[Exception | None] = []
     for item in items:
@@ -138,8 +211,9 @@ def read_small(path: str, digest: Digest, offset: int, end: int) -> tuple[int, b
 
 
 def read_many(items: list[tuple[str, Digest]]) -> list[tuple[int, bytes | OSError]]:
-    """Whole small blob files in one trip, each verified by size and hash: (status, bytes) each, or
-    (FAILED, the OSError). Reading one byte more than the size finds a longer file without a stat."""
+    """Whole small blob files in one trip, each verified by size and its fast checksum (or its digest,
+    see the module docstring): (status, bytes) each, or (FAILED, the OSError). Reading one byte
+    more than the size finds a longer file without a stat."""
     results: list[tuple[int, bytes | OSError]] = []
     append = results.append
     flags = os.O_RDONLY | os.O_CLOEXEC
@@ -157,12 +231,23 @@ def read_many(items: list[tuple[str, Digest]]) -> list[tuple[int, bytes | OSErro
             data = os.read(fd, size + 1)
             if len(data) < size:  # a short read of a regular file is the end of it, unless a signal cut it
                 data += _read_rest(fd, size - len(data) + 1)
-            append((OK, data) if len(data) == size and content_matches(data, digest) else (DAMAGED, b""))
+            append((OK, data) if len(data) == size and _verified(fd, data, digest) else (DAMAGED, b""))
         except OSError as e:
             append((FAILED, e))
         finally:
             os.close(fd)
     return results
+
+
+def _verified(fd: int, data: bytes, digest: Digest) -> bool:
+    """Whether the whole content `data` of the open blob file `fd` is right (see `Check`)."""
+    recorded = recorded_sum(fd)
+    if recorded is not None:
+        return fastsum.of(data) == recorded
+    if not content_matches(data, digest):
+        return False
+    record_sum(fd, fastsum.of(data))
+    return True
 
 
 def _read_rest(fd: int, wanted: int) -> bytes:
@@ -186,10 +271,10 @@ def read_file(path: str) -> bytes | None:
 
 
 def open_range(
-    path: str, size: int, offset: int, length: int, end: int, hasher: Hasher | None
+    path: str, size: int, offset: int, length: int, end: int, check: Check | None
 ) -> tuple[int, int | None, bytes]:
-    """Open, check the size, read the first chunk (fed to `hasher`, when the whole blob is being
-    verified), all in one hop; keep the fd only if more remains."""
+    """Open, check the size, read the first chunk (fed to `check`, when the whole blob is being
+    verified; finished if that was all), all in one hop; keep the fd only if more remains."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -199,8 +284,11 @@ def open_range(
             os.close(fd)
             return DAMAGED, None, b""
         data = os.pread(fd, length, offset) if length else b""
-        if hasher is not None:
-            hasher.update(data)
+        if check is not None:
+            check.start(fd)
+            check.update(data)
+            if offset + len(data) >= end:
+                check.finish(fd)
     except BaseException:
         os.close(fd)
         raise
@@ -214,11 +302,13 @@ def open_range(
     return OK, fd, data
 
 
-def pread_hashed(fd: int, length: int, offset: int, hasher: Hasher | None) -> bytes:
-    """The next chunk of a streamed read, fed to `hasher` in the same worker hop."""
+def pread_checked(fd: int, length: int, offset: int, check: Check | None, last: bool) -> bytes:
+    """The next chunk of a streamed read, fed to `check` in the same worker hop (finished after the last)."""
     data = os.pread(fd, length, offset)
-    if hasher is not None:
-        hasher.update(data)
+    if check is not None:
+        check.update(data)
+        if last:
+            check.finish(fd)
     return data
 
 
@@ -242,13 +332,18 @@ class TempFile:
     """A write in progress. Its methods run in worker threads, one at a time (except that
     `digest_part` and `append` may overlap: they touch disjoint state)."""
 
-    __slots__ = ("directory", "path", "fd", "hasher")
+    __slots__ = ("directory", "path", "fd", "hasher", "fast", "checksum")
 
-    def __init__(self, directory: str, hasher: Hasher | None) -> None:
+    def __init__(self, directory: str, hasher: Hasher | None, checksum: bytes | None = None) -> None:
+        """`hasher`: the digest the bytes are verified against (a CAS blob): their fast checksum
+        is computed beside it and recorded; `checksum` (a blob whose caller hashed it): the
+        checksum to record as it is; neither (an action entry, a metadata file): none."""
         self.directory = directory
         self.path: str | None = None
         self.fd: int | None = None
         self.hasher = hasher
+        self.fast = fastsum.new() if hasher is not None else None
+        self.checksum = checksum
 
     def write(self, parts: list[bytes]) -> None:
         data = self.digest_part(parts)
@@ -259,6 +354,8 @@ class TempFile:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         if self.hasher is not None and data:
             self.hasher.update(data)
+            assert self.fast is not None
+            self.fast.update(data)
         return data
 
     def append(self, data: bytes) -> None:
@@ -274,6 +371,9 @@ class TempFile:
         """Write the rest, close (fsync first if `sync`); return the hex digest."""
         self.write(parts)
         assert self.fd is not None
+        checksum = self.fast.digest() if self.fast is not None else self.checksum
+        if checksum is not None:  # a mismatching digest: the caller removes the file
+            record_sum(self.fd, checksum)
         if sync:
             os.fsync(self.fd)
         os.close(self.fd)

@@ -3,16 +3,17 @@
 A read raises NotFound before producing any byte. Records (records.py) and other small blobs
 are read whole in a coalesced trip (a batch's records in one LMDB read transaction) and no file
 stays open; larger ones keep the fd (an evicted blob stays readable) and are
-read one chunk ahead. Every read of a whole blob is verified against its digest (small ones
-before any byte is returned, streamed ones before their last chunk): a file can rot or be
-edited under a running server. A file or record found damaged (wrong size, content or CRC) is
-deleted and reported missing, one found gone is dropped from the index: the client uploads it
-again. A
-lookup by hash alone that finds no file marks the hash for a re-check (core.py).
+read one chunk ahead. Every read of a whole blob is verified (small ones before any byte is
+returned, streamed ones before their last chunk): a file can rot or be edited under a running
+server. A file by the fast checksum recorded when its digest was verified (fileops.py, `Check`;
+the digest itself for a file without one), a record by its digest and CRC. A file or record
+found damaged (wrong size, content, checksum or CRC) is deleted and reported missing, one found
+gone is dropped from the index: the client uploads it again. A lookup by hash alone that finds
+no file marks the hash for a re-check (core.py).
 
 The iterators `read` returns: a whole small blob already in memory (`WholeChunks`), or an open
-file read one chunk ahead in the worker threads (`FileChunks`; hashed on the way when the whole
-blob is read: the last chunk is handed out only once the content is known to match its digest).
+file read one chunk ahead in the worker threads (`FileChunks`; checked on the way when the whole
+blob is read: the last chunk is handed out only once the content is known to be right).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import concurrent.futures
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from buildvault.digest import Digest, DigestFunction, Hasher, InvalidDigest, new_hasher
+from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
 from buildvault.storage.disk import fileops, layout, records
 from buildvault.storage.disk.core import SMALL_OP, Core
@@ -61,11 +62,9 @@ class Reader:
                 status, data = await core.ops.submit(fileops.read_small, (path, digest, offset, end))
             else:
                 if offset == 0 and end == size:  # the whole blob: verified on the way
-                    verification = Verification(
-                        new_hasher(digest.function), digest.hash, lambda: core.drop_damaged(key)
-                    )
-                hasher = verification.hasher if verification is not None else None
-                cf = core.executor.submit(fileops.open_range, path, size, offset, first, end, hasher)
+                    verification = Verification(fileops.Check(digest), lambda: core.drop_damaged(key))
+                check = verification.check if verification is not None else None
+                cf = core.executor.submit(fileops.open_range, path, size, offset, first, end, check)
                 try:
                     status, fd, data = await asyncio.wrap_future(cf)
                 except asyncio.CancelledError:
@@ -83,7 +82,7 @@ class Reader:
             core.drop_damaged(key)
             raise StorageError(f"blob {digest} is shorter on disk than its size")
         if fd is None:
-            if verification is not None and verification.hasher.hexdigest() != digest.hash:
+            if verification is not None and not verification.check.ok:
                 core.drop_damaged(key)
                 raise NotFound(f"blob {digest} not found (damaged on disk)")
             return WholeChunks(data)
@@ -219,13 +218,12 @@ def _sizes_of(recs: records.Records, prefix: bytes, directory: str, hex_hash: st
 
 
 class Verification:
-    """The running hash of a whole-blob read, what it must come to, and what to do if it does not."""
+    """The check of a whole-blob read (run in the worker threads), and what to do if it fails."""
 
-    __slots__ = ("hasher", "expected", "damaged")
+    __slots__ = ("check", "damaged")
 
-    def __init__(self, hasher: Hasher, expected: str, damaged: Callable[[], None]) -> None:
-        self.hasher = hasher
-        self.expected = expected
+    def __init__(self, check: fileops.Check, damaged: Callable[[], None]) -> None:
+        self.check = check
         self.damaged = damaged  # drops the entry from the index (and deletes its file)
 
 
@@ -286,7 +284,7 @@ class FileChunks:
         verification = self._verification
         if verification is not None and self._pos >= self._end:  # the last chunk: check before handing it out
             self._close()
-            if verification.hasher.hexdigest() != verification.expected:
+            if not verification.check.ok:  # finished in the hop that read the last chunk
                 verification.damaged()
                 raise NotFound(f"{self._what} is damaged on disk (its content does not match its digest)")
         self._read_ahead()
@@ -295,8 +293,11 @@ class FileChunks:
     def _read_ahead(self) -> None:
         if self._fd is not None and self._pos < self._end:
             self._ahead_len = min(CHUNK_SIZE, self._end - self._pos)
-            hasher = self._verification.hasher if self._verification is not None else None
-            self._ahead = self._executor.submit(fileops.pread_hashed, self._fd, self._ahead_len, self._pos, hasher)
+            check = self._verification.check if self._verification is not None else None
+            last = self._pos + self._ahead_len >= self._end
+            self._ahead = self._executor.submit(
+                fileops.pread_checked, self._fd, self._ahead_len, self._pos, check, last
+            )
         else:
             self._close()
 

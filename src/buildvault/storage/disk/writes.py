@@ -15,7 +15,10 @@ operation per layout: the records in one LMDB transaction (records.put_many), th
 trip (fileops.write_many); any other blob goes the one-by-one way (`write`).
 
 `store_verified` (bytes the caller hashed itself, storage/__init__.py) is the same path without
-the hash: every other step (size check, capacity, claims, atomic publish, sync) is the same.
+the hash: every other step (size check, capacity, claims, atomic publish, sync) is the same. A
+blob file gets its fast checksum (fileops.py) with the bytes: computed in the pass that verifies
+the digest, or, for `store_verified`, the one the caller computed over the bytes it hashed, so a
+whole read of bytes other than those is refused like a damaged file.
 
 Space, claims and publishes go through the store's state owner (core.py).
 
@@ -31,7 +34,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
-from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, single_chunk
+from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, Verified, single_chunk
 from buildvault.storage.disk import fileops, records
 from buildvault.storage.disk.core import SMALL_OP, Core, DiskStats, Reservation
 from buildvault.storage.disk.layout import AC_TAG, cas_key, held
@@ -79,8 +82,9 @@ class Writer:
             return
         await self._store(key, digest, size, chunks, digest, replace=False)
 
-    async def _write_hashed(self, digest: Digest, data: bytes) -> None:
-        """`write` of a whole blob whose caller hashed `data` itself: the size is checked, the hash not."""
+    async def _write_hashed(self, digest: Digest, data: bytes, checksum: bytes) -> None:
+        """`write` of a whole blob whose caller hashed `data` itself: the size is checked, the hash
+        not; `checksum` (the caller's fast checksum of the bytes it hashed) is recorded with it."""
         core = self.core
         core.check_open()
         size = digest.size_bytes
@@ -94,7 +98,7 @@ class Writer:
         if key in core.index.entries:
             core.index.touch(key)
             return
-        await self._store(key, None, size, bytes(data), digest, replace=False)
+        await self._store(key, None, size, bytes(data), digest, replace=False, checksum=checksum)
 
     async def put_entry(self, namespace: str, digest: Digest, data: bytes) -> None:
         core = self.core
@@ -104,13 +108,15 @@ class Writer:
         await self._store(key, None, len(data), data, f"{namespace!r} entry {digest}", replace=True)
 
     async def write_blobs(
-        self, items: Sequence[tuple[Digest, bytes]], *, hashed: bool = False
+        self, items: Sequence[tuple[Digest, bytes]], *, checksums: Sequence[bytes] | None = None
     ) -> list[Exception | None]:
         """Whole blobs (BatchUpdateBlobs). The common case (small, new, room without evicting,
         no other write of the same blob in flight) is reserved and claimed here and written in one
         coalesced operation; any other goes the one-by-one way. Like _store_small, a submitted
-        write completes and is indexed even if the caller is cancelled. `hashed`: the caller
-        hashed each blob's bytes itself (store_verified): sizes are checked, hashes not."""
+        write completes and is indexed even if the caller is cancelled. `checksums`: the caller
+        hashed each blob's bytes itself (store_verified) and computed these fast checksums of
+        them: sizes are checked, hashes not, and each file records its checksum."""
+        hashed = checksums is not None
         core = self.core
         core.check_open()
         if core.suspects:
@@ -119,7 +125,7 @@ class Writer:
         entries = index.entries
         publishing, deleting = core.publishing, core.deleting
         outcomes: list[Exception | None] = [None] * len(items)
-        batch: list[tuple[str, str, bytes, Digest | None]] = []
+        batch: list[tuple[str, str, bytes, Digest | None, bytes | None]] = []
         claimed: list[_Claim] = []
         record_batch: list[records.PutItem] = []
         record_claimed: list[_Claim] = []
@@ -153,7 +159,7 @@ class Writer:
                 record_batch.append((key, bytes(data), check))
                 record_claimed.append((i, key, size, reservation))
             else:
-                batch.append((tmp_dir, path(key), bytes(data), check))
+                batch.append((tmp_dir, path(key), bytes(data), check, checksums[i] if checksums is not None else None))
                 claimed.append((i, key, size, reservation))
         futures = []
         if record_batch:
@@ -174,8 +180,8 @@ class Writer:
             async def one(i: int) -> Exception | None:
                 digest, data = items[i]
                 try:
-                    if hashed:
-                        await self._write_hashed(digest, data)
+                    if checksums is not None:
+                        await self._write_hashed(digest, data, checksums[i])
                         return None
                     if i in contended and len(data) == digest.size_bytes <= SMALL_OP:
                         await core.ops.submit(fileops.check_hash, (bytes(data), digest))
@@ -218,10 +224,12 @@ class Writer:
         what: object,
         *,
         replace: bool,
+        checksum: bytes | None = None,
     ) -> None:
         """Reserve, receive into a temp file, publish: the one write path of CAS and AC.
 
         Entries up to SMALL_OP bytes are gathered first and take the coalesced path instead.
+        `checksum`: a blob not verified here (`digest` None) whose caller computed its fast checksum.
         """
         reservation = await self.core.reserve(self.core.index.cost(key, size), what)
         if size <= SMALL_OP:
@@ -242,17 +250,22 @@ class Writer:
             except BaseException:
                 reservation.release()
                 raise
-            await self._store_small(key, digest, data, reservation, what, replace=replace)
+            await self._store_small(key, digest, data, reservation, what, replace=replace, checksum=checksum)
             return
         try:
-            temp = await self._receive(digest, size, chunks, what)
+            temp = await self._receive(digest, size, chunks, what, checksum)
         except BaseException:
             reservation.release()
             raise
         await self._publish(key, temp, size, reservation, replace=replace)
 
     async def _receive(
-        self, digest: Digest | None, size: int, chunks: AsyncIterable[bytes] | bytes, what: object
+        self,
+        digest: Digest | None,
+        size: int,
+        chunks: AsyncIterable[bytes] | bytes,
+        what: object,
+        checksum: bytes | None = None,
     ) -> str:
         """Stream into a temp file in batches, verifying size and hash; return its path.
 
@@ -260,7 +273,8 @@ class Writer:
         gone before this returns.
         """
         executor = self.core.executor
-        temp = fileops.TempFile(self.core.layout.tmp_dir, new_hasher(digest.function) if digest is not None else None)
+        hasher = new_hasher(digest.function) if digest is not None else None
+        temp = fileops.TempFile(self.core.layout.tmp_dir, hasher, checksum)
         # A pipeline of two workers: batch N is hashed while batch N-1 is written (each about
         # as costly as the other), while the event loop receives batch N+1.
         hashed: concurrent.futures.Future[Any] | None = None  # -> the joined bytes of the batch
@@ -355,7 +369,15 @@ class Writer:
             core.finish_publish(key, reservation, size if renamed else None)
 
     async def _store_small(
-        self, key: bytes, digest: Digest | None, data: bytes, reservation: Reservation, what: object, *, replace: bool
+        self,
+        key: bytes,
+        digest: Digest | None,
+        data: bytes,
+        reservation: Reservation,
+        what: object,
+        *,
+        replace: bool,
+        checksum: bytes | None = None,
     ) -> None:
         """Verify, write and publish a small entry in one coalesced operation; owns `reservation`.
         Once submitted, the operation completes and is indexed even if the caller is cancelled."""
@@ -387,7 +409,7 @@ class Writer:
             stale_file = core.layout.path(key) if key[0] == AC_TAG and key in index.entries and not old else None
             future = core.ops.submit(records.put_one, (core.records, key, data, digest, stale_file), len(data))
         else:
-            args = (core.layout.tmp_dir, core.layout.path(key), data, digest)
+            args = (core.layout.tmp_dir, core.layout.path(key), data, digest, checksum)
             stale = [key] if old else []
             future = core.ops.submit(_write_small_replacing, (core.records, stale, *args), len(data))
         future.add_done_callback(finished)
@@ -462,9 +484,11 @@ class DiskBlobStore:
         """Store whole blobs, each verified: None or the error, each. Small ones in one pool trip."""
         return await self._writer.write_blobs(items)
 
-    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        """write_blobs for bytes the caller hashed itself: not re-hashed, every other rule kept."""
-        return await self._writer.write_blobs(items, hashed=True)
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
+        """write_blobs for bytes the caller hashed itself: not re-hashed, every other rule kept;
+        each file records the caller's fast checksum, which whole reads verify."""
+        pairs = [(digest, data) for digest, data, _ in items]
+        return await self._writer.write_blobs(pairs, checksums=[checksum for _, _, checksum in items])
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         return await self._reader.lookup(function, hash)

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, S
 from typing import Any
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import ActionStore, BlobStore, DigestMismatch, NotFound, Unavailable, close_chunks
+from buildvault.storage import ActionStore, BlobStore, DigestMismatch, NotFound, Unavailable, Verified, close_chunks
 from buildvault.storage.objectstore.journal import JournalEntry, Ticket, UploadJournal
 
 logger = logging.getLogger(__name__)
@@ -232,25 +232,24 @@ class TieredBlobStore:
         await _journaled(self.journal.add_blob(digest, hold=True), self.journal, self.fast.write(digest, chunks))
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        return await self._write_blobs(items, self.fast.write_blobs)
+        return await self._write_blobs([d for d, _ in items], lambda: self.fast.write_blobs(items))
 
-    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
         """Bytes the caller hashed itself: the fast tier's own path for them, journaled the same way."""
-        return await self._write_blobs(items, self.fast.store_verified)
+        return await self._write_blobs([d for d, _, _ in items], lambda: self.fast.store_verified(items))
 
     async def _write_blobs(
-        self,
-        items: Sequence[tuple[Digest, bytes]],
-        write_fast: Callable[[Sequence[tuple[Digest, bytes]]], Awaitable[list[Exception | None]]],
+        self, digests: Sequence[Digest], write_fast: Callable[[], Awaitable[list[Exception | None]]]
     ) -> list[Exception | None]:
+        """Write the blobs of `digests` to the fast tier (`write_fast`), journaled for the bucket."""
         journal = self.journal
         if journal is None or not self._journaling:
-            return await write_fast(items)
-        journaled = [i for i, (d, _) in enumerate(items) if not self.known_in_slow(d)]
-        self.counters["journal_skipped"] += len(items) - len(journaled)
-        adds = [asyncio.ensure_future(journal.add_blob(items[i][0], hold=True)) for i in journaled]
+            return await write_fast()
+        journaled = [i for i, d in enumerate(digests) if not self.known_in_slow(d)]
+        self.counters["journal_skipped"] += len(digests) - len(journaled)
+        adds = [asyncio.ensure_future(journal.add_blob(digests[i], hold=True)) for i in journaled]
         try:
-            outcomes = await write_fast(items)
+            outcomes = await write_fast()
         except BaseException:
             for add in adds:
                 _settle_later(add, journal, ok=False)
@@ -259,7 +258,7 @@ class TieredBlobStore:
         for i, add, ticket in zip(journaled, adds, tickets, strict=True):
             if isinstance(ticket, BaseException):  # the durable add failed: so does that write
                 if outcomes[i] is None:
-                    outcomes[i] = Unavailable(f"blob {items[i][0]}: upload journal: {ticket}")
+                    outcomes[i] = Unavailable(f"blob {digests[i]}: upload journal: {ticket}")
             elif outcomes[i] is None:
                 journal.release(ticket)
             else:

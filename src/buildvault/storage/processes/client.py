@@ -24,7 +24,7 @@ from array import array
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import Unavailable, close_chunks
+from buildvault.storage import Unavailable, Verified, as_pairs, close_chunks
 from buildvault.storage.processes import wire
 from buildvault.storage.processes.wire import Kind
 
@@ -249,8 +249,8 @@ class RemoteBlobStore:
         outcomes = wire.unpack_items(body)[0]
         return [item if isinstance(item, Exception) else None for item in outcomes]
 
-    async def store_verified(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        return await self.write_blobs(items)  # across processes: verified by the primary like any write
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
+        return await self.write_blobs(as_pairs(items))  # across processes: verified by the primary like any write
 
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         body = await self.client.call(Kind.LOOKUP, bytes([function.wire]), hash.encode("utf-8", "replace"))
