@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from disk_helpers import wait_until
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import DigestMismatch, NotFound, StorageFull, single_chunk
+from buildvault.storage import DigestMismatch, NotFound, StorageFull, close_chunks, single_chunk
 from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams, MissingChunks, cut
 from buildvault.storage.chunks.chunker import cut_stream
 from buildvault.storage.chunks.store import NAMESPACE
@@ -238,3 +239,48 @@ async def test_the_dedup_figures_count_each_distinct_chunk_once_however_it_arriv
     assert stats["logical_bytes"] == 3 * len(base) + 40_000
     assert len(base) < stats["stored_bytes"] < len(base) + 40_000 + 2 * SMALL.max_size
     assert stats["dedup_ratio"] == stats["logical_bytes"] / stats["stored_bytes"] > 2
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_an_abandoned_read_of_a_chunked_blob_leaves_no_file_open(tmp_path: Path) -> None:
+    """Reads open the next chunk while this one is sent: a read given up midway closes both."""
+    data = random.Random(9).randbytes(12 << 20)  # the advertised parameters: chunks up to 2 MiB, files
+    digest = Digest.of(data)
+    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
+        store = ChunkedBlobStore(storage.cas, storage.ac)
+        await store.write(digest, single_chunk(data))
+        assert len(await store.split(digest)) > 4
+        before = open_fds()
+        for stop_after in (1, 3 << 20):
+            stream = await store.read(digest)
+            got = 0
+            async for piece in stream:
+                got += len(piece)
+                if got >= stop_after:
+                    break
+            await close_chunks(stream)
+            await wait_until(lambda: open_fds() == before, 10, "the chunk files to be closed")
+        assert await read_all(store, digest) == data
+
+
+async def test_a_damaged_chunk_fails_the_read_and_makes_the_blob_missing(tmp_path: Path) -> None:
+    data = random.Random(10).randbytes(8 << 20)
+    digest = Digest.of(data)
+    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
+        store = ChunkedBlobStore(storage.cas, storage.ac)
+        await store.write(digest, single_chunk(data))
+        chunks = await store.split(digest)
+        victim = chunks[len(chunks) // 2]
+        path = tmp_path / "store" / "cas" / "sha256" / victim.hash[:2] / f"{victim.hash}-{victim.size_bytes}"
+        damaged = bytearray(path.read_bytes())
+        damaged[7] ^= 1
+        path.write_bytes(bytes(damaged))  # in place: its recorded checksum stays
+        received = 0
+        with pytest.raises(NotFound):
+            async for piece in await store.read(digest):
+                received += len(piece)
+        assert received < len(data)
+        assert await store.find_missing([digest]) == [digest]

@@ -37,6 +37,7 @@ from buildvault.storage import (
     NotFound,
     StorageFull,
     ac_namespace,
+    close_chunks,
     read_blobs_one_by_one,
     write_blobs_one_by_one,
 )
@@ -160,18 +161,37 @@ class ChunkedBlobStore(ForwardingBlobStore):
         return self._read_chunks(chunks, offset, end)
 
     async def _read_chunks(self, chunks: Sequence[Digest], start: int, end: int) -> AsyncIterator[bytes]:
+        """The bytes [start, end) of a blob kept as `chunks`: each chunk a read of the inner store
+        (a whole one verified there), the next one opened while this one is sent."""
+        spans: list[tuple[Digest, int, int]] = []  # chunk, offset in it, limit (0: to its end)
         position = 0
         for chunk in chunks:
             chunk_end = position + chunk.size_bytes
             if chunk_end > start and position < end:
                 first = max(start - position, 0)
                 count = min(end, chunk_end) - position - first
-                stream = await self.inner.read(chunk, first, 0 if first + count == chunk.size_bytes else count)
-                async for data in stream:
-                    yield data
+                spans.append((chunk, first, 0 if first + count == chunk.size_bytes else count))
             position = chunk_end
             if position >= end:
-                return
+                break
+        ahead: asyncio.Future[AsyncIterator[bytes]] | None = None
+        try:
+            for i, span in enumerate(spans):
+                if ahead is None:
+                    stream = await self.inner.read(*span)
+                else:
+                    stream, ahead = await ahead, None
+                if i + 1 < len(spans):  # a small chunk is read whole (and verified) by then
+                    ahead = asyncio.ensure_future(self.inner.read(*spans[i + 1]))
+                try:
+                    async for data in stream:
+                        yield data
+                finally:
+                    await close_chunks(stream)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+                ahead.add_done_callback(_close_unread)
 
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
         if all(d.size_bytes < self.threshold for d in digests):
@@ -311,6 +331,17 @@ class ChunkedBlobStore(ForwardingBlobStore):
         for chunk in chunks:
             async for data in await self.read(chunk):
                 yield data
+
+
+_closing: set[asyncio.Future[None]] = set()  # closes of unread chunk streams under way
+
+
+def _close_unread(future: asyncio.Future[AsyncIterator[bytes]]) -> None:
+    """A chunk opened ahead of a read that ended first: close its stream (an open file) if it got one."""
+    if not future.cancelled() and future.exception() is None:
+        closing = asyncio.ensure_future(close_chunks(future.result()))
+        _closing.add(closing)
+        closing.add_done_callback(_closing.discard)
 
 
 def _update_all(hasher: Hasher, parts: list[bytes]) -> None:
