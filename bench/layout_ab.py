@@ -4,6 +4,7 @@ to the disk store (issue 15: small blobs as LMDB records instead of a file each)
 
     .venv/bin/python bench/layout_ab.py --before OTHER/.venv/bin/python [--reps 5]
         [--scenarios 'batch_update_c1,batch_update_c8,batch_read_c1,batch_read_c8,ac_update_c1,ac_update_c16,fmb_c1']
+        [--serve-args '--chunking false']
 
 `--before` and `--after` (default: this interpreter) are the Python of a venv each, with its
 checkout's buildvault installed. Each repetition starts a fresh `buildvault serve` (fresh data
@@ -11,7 +12,8 @@ directory, loopback, no HTTP listener) from each side in turn, alternating which
 runs this checkout's bench/harness.py against it, and stops it. Prints the median of every
 scenario's throughput per side, min-max, the after/before ratio, the ratio of the server's CPU
 per operation over the harness's own (lower is cheaper; steadier than throughput when the
-machine's speed swings), and the load average.
+machine's speed swings), and the load average. `--serve-args` are added to both servers' command
+lines (e.g. `--chunking false`: the same scenarios with every blob stored whole).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -36,10 +39,10 @@ SCENARIOS = "batch_update_c1,batch_update_c8,batch_read_c1,batch_read_c8,ac_upda
 _READY = re.compile(r"buildvault ready: grpc=(\S+)")
 
 
-def start(python: str, data_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start(python: str, data_dir: Path, log: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     argv = [python, "-c", "import sys; from buildvault.cli import main; sys.exit(main())", "serve",
             "--grpc-address", "127.0.0.1:0", "--http-address", "", "--dir", str(data_dir),
-            "--max-size", "20GiB"]  # fmt: skip
+            "--max-size", "20GiB", *extra]  # fmt: skip
     with open(log, "wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -62,10 +65,10 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(10)
 
 
-def run_once(python: str, scenarios: str, work: Path) -> dict[str, dict[str, Any]]:
+def run_once(python: str, scenarios: str, work: Path, extra: list[str]) -> dict[str, dict[str, Any]]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    process, address = start(python, work / "data", work / "server.log")
+    process, address = start(python, work / "data", work / "server.log", extra)
     try:
         out = work / "results.json"
         subprocess.run([sys.executable, str(HARNESS), "--target", address, "--scenarios", scenarios,
@@ -89,7 +92,9 @@ def main() -> None:
     parser.add_argument("--after", default=sys.executable, help="python of the venv of the checkout after")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--scenarios", default=SCENARIOS)
+    parser.add_argument("--serve-args", default="", help="more `buildvault serve` arguments for both sides")
     args = parser.parse_args()
+    extra = shlex.split(args.serve_args)
     sides = {"before": args.before, "after": args.after}
     figures: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     cpu: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}  # server CPU / harness CPU
@@ -101,7 +106,7 @@ def main() -> None:
             for side in order:
                 # One work area, emptied before every run: with the other side's blobs left on disk,
                 # the "after" side's 64 KiB-chunk writes ran at 0.64x with the same code on both.
-                rows = run_once(sides[side], args.scenarios, Path(tmp) / "run")
+                rows = run_once(sides[side], args.scenarios, Path(tmp) / "run", extra)
                 for name, row in rows.items():
                     value, unit = throughput(row)
                     units[name] = unit
@@ -123,7 +128,8 @@ def main() -> None:
         cpu_ratio = f"{ca / cb:.2f}x" if cb else "-"
         print(f"| {name} | {units[name]} | {mb:,.0f} ({min(b):,.0f}-{max(b):,.0f}) "
               f"| {ma:,.0f} ({min(a):,.0f}-{max(a):,.0f}) | {ratio} | {cb:.2f} / {ca:.2f} | {cpu_ratio} |")  # fmt: skip
-    print(f"\n{args.reps} repetitions, alternating order; load (1 min) {min(loads):.2f}-{max(loads):.2f}, "
+    print(f"\nserve arguments: {args.serve_args or '(none)'}")
+    print(f"{args.reps} repetitions, alternating order; load (1 min) {min(loads):.2f}-{max(loads):.2f}, "
           f"median {statistics.median(loads):.2f}; {os.cpu_count()} cores")  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from reapi_client import (
 )
 
 from buildvault.remote_apis import bs_pb2
+from buildvault.server.grpc.bytestream import read_response
 
 MiB = 1 << 20
 
@@ -434,3 +435,12 @@ async def test_zstd_bomb_is_bounded(stubs):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stubs.bytestream.Write(iterate(write_requests(upload_name(lie, compressed=True), bomb)))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, 2_097_151, 2_097_152, 1 << 20])
+def test_read_responses_framed_by_hand_are_what_protobuf_serializes(size):
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    framed = read_response(data)
+    assert framed == bs_pb2.ReadResponse(data=data).SerializeToString()
+    assert read_response(memoryview(data)) == framed
+    assert bs_pb2.ReadResponse.FromString(framed).data == data

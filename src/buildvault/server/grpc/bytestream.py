@@ -22,6 +22,9 @@ import collections
 import logging
 import traceback
 from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
 
 from buildvault import logs
 from buildvault.compression import zstd_compress_stream, zstd_decompress_stream
@@ -30,6 +33,8 @@ from buildvault.remote_apis import bs_pb2
 from buildvault.server import errors
 from buildvault.server.grpc import READ_CHUNK_SIZE, Context, rpc
 from buildvault.storage import BlobStore, InvalidRange, StorageError, close_chunks
+
+SERVICE = "google.bytestream.ByteStream"
 
 log = logging.getLogger("buildvault.bytestream")
 
@@ -323,11 +328,11 @@ class ByteStreamService:
         try:
             async for chunk in chunks:
                 if len(chunk) <= READ_CHUNK_SIZE:
-                    await context.write(bs_pb2.ReadResponse(data=chunk))
+                    await context.write(read_response(chunk))
                 else:
                     view = memoryview(chunk)
                     for start in range(0, len(chunk), READ_CHUNK_SIZE):
-                        await context.write(bs_pb2.ReadResponse(data=bytes(view[start : start + READ_CHUNK_SIZE])))
+                        await context.write(read_response(view[start : start + READ_CHUNK_SIZE]))
                 sent += len(chunk)
         finally:
             # A client that goes away mid-read must not leave the store's file open.
@@ -401,3 +406,45 @@ class ByteStreamService:
             size = -1 if resource.compressor is not None else resource.digest.size_bytes
             return bs_pb2.QueryWriteStatusResponse(committed_size=size, complete=True)
         return bs_pb2.QueryWriteStatusResponse(committed_size=0, complete=False)
+
+
+def read_response(data: bytes | memoryview) -> bytes:
+    """The serialized ReadResponse carrying `data`, framed by hand (field 10, length-delimited): the
+    same bytes as `ReadResponse(data=data).SerializeToString()`, without building the message,
+    which copied a 1 MiB chunk twice more on the event loop (about 1 ms against 25 us here)."""
+    n = len(data)
+    if not n:
+        return b""
+    header = bytearray(b"\x52")  # field 10 (`data`), wire type 2
+    while n > 0x7F:
+        header.append(n & 0x7F | 0x80)
+        n >>= 7
+    header.append(n)
+    return b"".join((header, data))
+
+
+def _serialize_read(response: bytes | bs_pb2.ReadResponse) -> bytes:
+    """Read's response serializer: the bytes `read_response` framed go out as they are."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_to_server(servicer: ByteStreamService, server: Any) -> None:
+    """`add_ByteStreamServicer_to_server` (the generated one), with Read's responses sent as the
+    bytes the handler frames (`read_response`)."""
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "Read": grpc.unary_stream_rpc_method_handler(
+            servicer.Read, request_deserializer=bs_pb2.ReadRequest.FromString, response_serializer=_serialize_read
+        ),
+        "Write": grpc.stream_unary_rpc_method_handler(
+            servicer.Write,
+            request_deserializer=bs_pb2.WriteRequest.FromString,
+            response_serializer=bs_pb2.WriteResponse.SerializeToString,
+        ),
+        "QueryWriteStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.QueryWriteStatus,
+            request_deserializer=bs_pb2.QueryWriteStatusRequest.FromString,
+            response_serializer=bs_pb2.QueryWriteStatusResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

@@ -8,11 +8,11 @@ from typing import Any
 import grpc
 
 from buildvault.execution.executor import PRIORITY_RANGE
-from buildvault.remote_apis import bs_grpc, ra_grpc, re_grpc
+from buildvault.remote_apis import ra_grpc, re_grpc
 from buildvault.server.auth.grpc_auth import checked
 from buildvault.server.auth.health import add_health_service
 from buildvault.server.auth.tls import TlsError
-from buildvault.server.grpc import server_options
+from buildvault.server.grpc import bytestream, server_options
 from buildvault.server.grpc.action_cache import ActionCacheService
 from buildvault.server.grpc.build_events import add_build_event_service
 from buildvault.server.grpc.bytestream import ByteStreamService
@@ -33,7 +33,7 @@ _Register = Callable[[Any, WrappingServer], None]
 _add_capabilities: _Register = re_grpc.add_CapabilitiesServicer_to_server
 _add_cas: _Register = re_grpc.add_ContentAddressableStorageServicer_to_server
 _add_action_cache: _Register = re_grpc.add_ActionCacheServicer_to_server
-_add_bytestream: _Register = bs_grpc.add_ByteStreamServicer_to_server
+_add_bytestream: _Register = bytestream.add_to_server  # Read's responses framed by hand
 _add_fetch: _Register = ra_grpc.add_FetchServicer_to_server
 _add_push: _Register = ra_grpc.add_PushServicer_to_server
 
