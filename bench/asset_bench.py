@@ -4,6 +4,7 @@ loopback origin against curl from the same origin, with the server's memory.
 
     python bench/asset_bench.py                      # ~1 min on 2 cores
     python bench/asset_bench.py --size 512MiB --calls 2000 --reps 3
+    python bench/asset_bench.py --downloads-only --reps 5 [--server-arg=--chunking --server-arg=false]
 
 Starts its own buildvault (`--asset-allow-hosts 127.0.0.1`, execution off, one process) and an
 origin (aiohttp in a subprocess: sendfile with a Content-Length under /file/, 1 MiB chunks
@@ -14,9 +15,12 @@ without one under /chunked/). Prints one JSON line per measurement, then a markd
   an entry with one small output on the same server (the issue's target: within 1.5x);
 - `download`: a fresh `--size` asset (Content-Length and a sha256: streamed straight into the
   store) and `download_chunked` (no Content-Length: through the spool file), MiB/s and the
-  server's peak anonymous memory (VmRSS less RssFile, sampled every 20 ms) during the fetch,
+  server's peak anonymous memory (VmRSS less RssFile, sampled every 20 ms) and peak VmRSS
+  during the fetch,
   beside `curl` of the same file to /dev/null and to a file on the same disk, and
   `bytestream_write`: the store's own rate for the same size (a ByteStream Write, 1 MiB chunks).
+  Each repetition's `ratio` line: the download's rate over curl's to a file and to /dev/null
+  (`--downloads-only`: the downloads and curl only, for A/B rounds).
 Not a timed test; numbers go to bench/RESULTS.md.
 """
 
@@ -133,12 +137,14 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid = pid
         self.peak = 0
+        self.peak_rss = 0
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.is_set():
             rss, file_pages, _ = memory_kib(self.pid)
             self.peak = max(self.peak, rss - file_pages)
+            self.peak_rss = max(self.peak_rss, rss)
             time.sleep(0.02)
 
 
@@ -167,6 +173,7 @@ async def download(address: str, url: str, digest: bytes, size: int, pid: int, n
         "mib_per_s": round(size / seconds / (1 << 20), 1),
         "server_anon_idle_mib": (idle_rss - idle_file) // 1024,
         "server_anon_peak_mib": sampler.peak // 1024,
+        "server_rss_peak_mib": sampler.peak_rss // 1024,
     }
 
 
@@ -226,6 +233,10 @@ def main() -> int:
     parser.add_argument("--size", default="512MiB", help="download size (default 512MiB)")
     parser.add_argument("--calls", type=int, default=2000, help="calls per latency scenario")
     parser.add_argument("--reps", type=int, default=1, help="download repetitions")
+    parser.add_argument("--downloads-only", action="store_true",
+                        help="downloads and curl only: no latency, no ByteStream row")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="an extra `buildvault serve` argument (repeatable)")
     args = parser.parse_args()
     if shutil.which("curl") is None:
         raise SystemExit("curl is needed for the comparison")
@@ -242,7 +253,7 @@ def main() -> int:
         server = start_buildvault(
             root / "data",
             root / "server.log",
-            ["--asset-allow-hosts", "127.0.0.1", "--local-workers", "0", "--processes", "1"],
+            ["--asset-allow-hosts", "127.0.0.1", "--local-workers", "0", "--processes", "1", *args.server_arg],
         )
         try:
             deadline = time.monotonic() + 30
@@ -250,18 +261,23 @@ def main() -> int:
                 if time.monotonic() > deadline:
                     raise SystemExit("the origin did not start")
                 time.sleep(0.1)
-            rows += asyncio.run(latencies(server.address, origin, (files / "small.bin").read_bytes(), args.calls))
+            if not args.downloads_only:
+                rows += asyncio.run(latencies(server.address, origin, (files / "small.bin").read_bytes(), args.calls))
             for rep in range(args.reps):
                 blob = files / f"big{rep}.bin"
                 digest = write_random(blob, size)
-                rows.append(curl(f"{origin}/file/{blob.name}", "/dev/null", size, "curl_devnull"))
-                rows.append(curl(f"{origin}/file/{blob.name}", str(root / "curl.out"), size, "curl_file"))
+                devnull = curl(f"{origin}/file/{blob.name}", "/dev/null", size, "curl_devnull")
+                to_file = curl(f"{origin}/file/{blob.name}", str(root / "curl.out"), size, "curl_file")
                 (root / "curl.out").unlink()
-                rows.append(
-                    asyncio.run(
-                        download(server.address, f"{origin}/file/{blob.name}", digest, size, server.pid, "download")
-                    )
+                fetched = asyncio.run(
+                    download(server.address, f"{origin}/file/{blob.name}", digest, size, server.pid, "download")
                 )
+                rows += [devnull, to_file, fetched]
+                rate = float(str(fetched["mib_per_s"]))
+                rows.append({"scenario": "ratio", "rep": rep,
+                             "vs_curl_file": round(rate / float(str(to_file["mib_per_s"])), 3),
+                             "vs_curl_devnull": round(rate / float(str(devnull["mib_per_s"])), 3),
+                             "load_average": round(os.getloadavg()[0], 2)})  # fmt: skip
                 blob.unlink()
                 chunked = files / f"big{rep}c.bin"
                 digest = write_random(chunked, size)
@@ -277,6 +293,9 @@ def main() -> int:
                         )
                     )
                 )
+                if args.downloads_only:
+                    chunked.unlink()
+                    continue
                 write_random(chunked, size)  # fresh bytes again: the same write through ByteStream
                 rows.append(asyncio.run(bytestream_write(server.address, chunked, size)))
                 chunked.unlink()
@@ -287,13 +306,19 @@ def main() -> int:
     for row in rows:
         print(json.dumps(row))
     print()
-    print("| scenario | calls/s | p50 ms | p99 ms | MiB/s | s | server anon peak MiB |")
+    print("| scenario | calls/s | p50 ms | p99 ms | MiB/s | s | server anon / RSS peak MiB |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
+        if row["scenario"] == "ratio":
+            continue
+        memory = f"{row['server_anon_peak_mib']} / {row['server_rss_peak_mib']}" if "server_rss_peak_mib" in row else ""
         print(
             f"| {row['scenario']} | {row.get('calls_per_s', '')} | {row.get('p50_ms', '')} | {row.get('p99_ms', '')} "
-            f"| {row.get('mib_per_s', '')} | {row.get('seconds', '')} | {row.get('server_anon_peak_mib', '')} |"
+            f"| {row.get('mib_per_s', '')} | {row.get('seconds', '')} | {memory} |"
         )
+    ratios = sorted(float(str(r["vs_curl_file"])) for r in rows if r["scenario"] == "ratio")
+    if ratios:
+        print(f"\ndownload / curl to a file: median {ratios[len(ratios) // 2]:.3f} (each: {ratios})")
     return 0
 
 

@@ -139,6 +139,28 @@ async def test_a_checksum_mismatch_names_the_checksum_and_stores_nothing(tmp_pat
         assert origin.count("/x.tgz") == 2
 
 
+async def test_a_spooled_download_of_several_batches_is_stored_whole_and_the_spool_emptied(tmp_path, origin):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from buildvault.assets import SPOOL_DIR
+    from buildvault.assets.origin import SPOOL_BATCH
+
+    data = random.randbytes(2 * SPOOL_BATCH + 12_345)  # two whole batches and a part
+    origin.files["/big.tgz"] = data
+    origin.chunked.add("/big.tgz")  # no Content-Length: through the spool file
+    async with serve(tmp_path, asset_allow_hosts="127.0.0.1") as server:
+        answer = await server.fetch_blob([origin.url("/big.tgz")], ("checksum.sri", sri(data, "sha512")))
+        assert answer.blob_digest == digest(data)
+        assert await read(server.stubs, answer.blob_digest) == data
+        assert list((tmp_path / "data" / SPOOL_DIR).iterdir()) == []  # the spool file and the lock are gone
+        samples = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(server.app.metrics.render().decode())
+            for sample in family.samples
+        }
+        assert samples["buildvault_asset_downloaded_bytes_total"] == len(data)
+
+
 async def test_several_sri_values_and_algorithms_are_all_verified(tmp_path, origin):
     data = random.randbytes(50_000)
     origin.files["/s"] = data

@@ -54,7 +54,8 @@ __all__ = [
 ]
 
 MAX_REDIRECTS = 5
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # aiohttp's read size (it buffers up to twice this ahead of the store)
+SPOOL_BATCH = 4 << 20  # bytes a worker thread writes and hashes into the spool file at once
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
@@ -324,29 +325,53 @@ class OriginFetcher:
     async def _store_spooled(
         self, body: AsyncIterator[bytes], checksums: Sequence[Checksum], function: DigestFunction
     ) -> Digest:
-        """Through a spool file (size or hash not known up front), hashed in the writing thread."""
+        """Through a spool file (size or hash not known up front), hashed in the writing thread:
+        the body in batches of `SPOOL_BATCH`, each written and hashed by a worker thread while
+        the next one is received (one batch in flight: memory stays about two batches)."""
         hashers: dict[str, Any] = {c.algorithm: hashlib.new(c.algorithm) for c in checksums}
         own = new_hasher(function)
         fd, name = tempfile.mkstemp(prefix="download-", dir=self.spool_dir)
         path = Path(name)
         received = 0
+        loop = asyncio.get_running_loop()
+        writing: asyncio.Future[None] | None = None
         try:
             with os.fdopen(fd, "wb") as spool:
 
-                def put(chunk: bytes) -> None:
-                    spool.write(chunk)
-                    own.update(chunk)
-                    for hasher in hashers.values():
-                        hasher.update(chunk)
+                def put(parts: list[bytes]) -> None:
+                    for part in parts:
+                        spool.write(part)
+                        own.update(part)
+                        for hasher in hashers.values():
+                            hasher.update(part)
+
+                async def flush(parts: list[bytes]) -> None:
+                    nonlocal writing
+                    if writing is not None:
+                        await writing
+                    writing = loop.run_in_executor(None, put, parts) if parts else None
 
                 try:
+                    batch: list[bytes] = []
+                    batched = 0
                     async for chunk in body:
                         received += len(chunk)
                         if received > self.max_size:
                             raise TooLarge(f"more than --asset-max-size ({self.max_size}) bytes")
-                        await asyncio.to_thread(put, chunk)
+                        batch.append(chunk)
+                        batched += len(chunk)
+                        if batched >= SPOOL_BATCH:
+                            await flush(batch)
+                            batch, batched = [], 0
+                    await flush(batch)
+                    await flush([])
                 finally:
                     self._counted(received)
+                    if writing is not None and not writing.done():
+                        # Failed or cancelled: let the thread finish before the file is closed
+                        # (what it raises, if anything, is not this failure's cause).
+                        with contextlib.suppress(Exception):
+                            await asyncio.shield(writing)
             _verify(checksums, {k: h.digest() for k, h in hashers.items()})
             digest = Digest.parse(own.hexdigest(), received, function)
             await self.blobs.write(digest, _file_chunks(path))
