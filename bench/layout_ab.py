@@ -4,7 +4,7 @@ to the disk store (issue 15: small blobs as LMDB records instead of a file each)
 
     .venv/bin/python bench/layout_ab.py --before OTHER/.venv/bin/python [--reps 5]
         [--scenarios 'batch_update_c1,batch_update_c8,batch_read_c1,batch_read_c8,ac_update_c1,ac_update_c16,fmb_c1']
-        [--serve-args '--chunking false']
+        [--serve-args '--chunking false'] [--before-args ARGS] [--after-args ARGS]
 
 `--before` and `--after` (default: this interpreter) are the Python of a venv each, with its
 checkout's buildvault installed. Each repetition starts a fresh `buildvault serve` (fresh data
@@ -13,7 +13,9 @@ runs this checkout's bench/harness.py against it, and stops it. Prints the media
 scenario's throughput per side, min-max, the after/before ratio, the ratio of the server's CPU
 per operation over the harness's own (lower is cheaper; steadier than throughput when the
 machine's speed swings), and the load average. `--serve-args` are added to both servers' command
-lines (e.g. `--chunking false`: the same scenarios with every blob stored whole).
+lines (e.g. `--chunking false`: the same scenarios with every blob stored whole); `--before-args`
+and `--after-args` to one side's only (one checkout against itself:
+`--before .venv/bin/python --before-args '--chunking false'`).
 """
 
 from __future__ import annotations
@@ -93,8 +95,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--scenarios", default=SCENARIOS)
     parser.add_argument("--serve-args", default="", help="more `buildvault serve` arguments for both sides")
+    parser.add_argument("--before-args", default="", help="more `buildvault serve` arguments for the side before")
+    parser.add_argument("--after-args", default="", help="more `buildvault serve` arguments for the side after")
     args = parser.parse_args()
-    extra = shlex.split(args.serve_args)
+    extra = {
+        "before": shlex.split(args.serve_args) + shlex.split(args.before_args),
+        "after": shlex.split(args.serve_args) + shlex.split(args.after_args),
+    }
     sides = {"before": args.before, "after": args.after}
     figures: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
     cpu: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}  # server CPU / harness CPU
@@ -106,7 +113,7 @@ def main() -> None:
             for side in order:
                 # One work area, emptied before every run: with the other side's blobs left on disk,
                 # the "after" side's 64 KiB-chunk writes ran at 0.64x with the same code on both.
-                rows = run_once(sides[side], args.scenarios, Path(tmp) / "run", extra)
+                rows = run_once(sides[side], args.scenarios, Path(tmp) / "run", extra[side])
                 for name, row in rows.items():
                     value, unit = throughput(row)
                     units[name] = unit

@@ -3,6 +3,7 @@ chunked store's dedup, SplitBlob and SpliceBlob rules over the memory and disk s
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import random
@@ -13,9 +14,10 @@ import pytest
 from disk_helpers import wait_until
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import DigestMismatch, NotFound, StorageFull, close_chunks, single_chunk
+from buildvault.storage import DigestMismatch, NotFound, StorageFull, close_chunks, fastsum, single_chunk
 from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams, MissingChunks, cut
-from buildvault.storage.chunks.chunker import cut_stream
+from buildvault.storage.chunks import store as chunk_store
+from buildvault.storage.chunks.chunker import Piece, StreamCutter
 from buildvault.storage.chunks.store import NAMESPACE
 from buildvault.storage.disk import DiskStorage
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
@@ -62,14 +64,29 @@ async def pieces_of(data: bytes, sizes: list[int]) -> AsyncIterator[bytes]:
 
 
 @pytest.mark.parametrize("piece", [1, 777, 16384, 100_000])
-async def test_streamed_cutting_gives_the_boundaries_of_cutting_whole(piece: int) -> None:
+@pytest.mark.parametrize("batch", [1, 5_000, 40_000])
+def test_streamed_cutting_gives_the_boundaries_and_hash_of_cutting_whole(piece: int, batch: int) -> None:
+    """Messages of `piece` bytes handed over in batches of at least `batch` bytes (a batch shorter
+    than the max chunk size, one of several, one of many messages)."""
     data = random.Random(piece).randbytes(300_000)
     whole = [bytes(v) for v in cut(data, SMALL)]
-    streamed = []
-    async for group in cut_stream(pieces_of(data, [piece] * (len(data) // piece)), SMALL, DigestFunction.SHA256):
-        streamed.extend(p.data for p in group)
-    assert streamed == whole
-    assert b"".join(streamed) == data
+    cutter = StreamCutter(SMALL, DigestFunction.SHA256)
+    streamed: list[Piece] = []
+    parts: list[bytes] = []
+    messages = [data[at : at + piece] for at in range(0, len(data), piece)]
+    for n, message in enumerate(messages):
+        parts.append(message)
+        final = n == len(messages) - 1
+        if final or sum(map(len, parts)) >= batch:
+            buffer, start = cutter.join(parts)
+            assert parts == []
+            cutter.hash_blob(buffer, start)
+            streamed.extend(cutter.cut(buffer, final))
+    assert [p.data for p in streamed] == whole
+    assert [p.digest for p in streamed] == [Digest.of(c) for c in whole]
+    assert [p.fast for p in streamed] == [fastsum.of(c) for c in whole]
+    assert b"".join(p.data for p in streamed) == data
+    assert cutter.hexdigest() == hashlib.sha256(data).hexdigest()
     assert max(len(c) for c in whole) <= SMALL.max_size
 
 
@@ -129,6 +146,72 @@ async def test_a_mismatching_upload_leaves_no_chunk_list() -> None:
     assert await store.find_missing([wrong]) == [wrong]
     with pytest.raises(NotFound):
         await store.lists.get(NAMESPACE, wrong)
+
+
+@pytest.fixture
+def small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked writes hand their bytes over in batches of 5,000 bytes: many batches per blob."""
+    monkeypatch.setattr(chunk_store, "CUT_BATCH", 5_000)
+    monkeypatch.setattr(chunk_store, "MIN_CUT_BATCH", 5_000)
+
+
+@pytest.mark.usefixtures("small_batches")
+@pytest.mark.parametrize("piece", [777, 16_384])
+async def test_a_blob_streamed_in_many_batches_is_kept_as_the_chunks_of_cutting_it_whole(piece: int) -> None:
+    store = chunked_memory()
+    data = random.Random(piece).randbytes(200_000)
+    digest = Digest.of(data)
+    await store.write(digest, pieces_of(data, [piece] * (len(data) // piece)))
+    assert await store.chunk_list(digest) == [Digest.of(bytes(v)) for v in cut(data, SMALL)]
+    assert await read_all(store, digest) == data
+
+
+async def failing_after(data: bytes, piece: int, count: int) -> AsyncIterator[bytes]:
+    for at in range(0, count * piece, piece):
+        yield data[at : at + piece]
+    raise ConnectionError("the client went away")
+
+
+@pytest.mark.usefixtures("small_batches")
+@pytest.mark.parametrize("case", ["wrong hash", "one byte more", "one byte less", "source fails", "cancelled"])
+async def test_a_streamed_write_that_fails_anywhere_leaves_no_chunk_list(case: str) -> None:
+    store = chunked_memory()
+    data = random.Random(5).randbytes(100_000)
+    digest = Digest.of(data)
+    source: AsyncIterator[bytes]
+    if case == "wrong hash":
+        digest = Digest(hashlib.sha256(b"other").hexdigest(), len(data))
+        source = pieces_of(data, [1000] * 100)
+    elif case == "one byte more":
+        source = pieces_of(data + b"x", [1000] * 100)
+    elif case == "one byte less":
+        source = pieces_of(data[:-1], [1000] * 99)
+    else:
+        source = failing_after(data, 1000, 60)
+    if case == "cancelled":
+        stalled = asyncio.Event()
+
+        async def stalling() -> AsyncIterator[bytes]:
+            for at in range(0, 60_000, 1000):
+                yield data[at : at + 1000]
+            stalled.set()
+            await asyncio.Event().wait()  # the client stops sending; the upload is then abandoned
+            yield b""
+
+        task = asyncio.create_task(store.write(digest, stalling()))
+        await stalled.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        with pytest.raises(ConnectionError if case == "source fails" else DigestMismatch):
+            await store.write(digest, source)
+    assert await store.chunk_list(digest) is None
+    assert await store.find_missing([digest]) == [digest]
+    assert store._writing == 0
+    # The chunks already stored are valid blobs of their own; the blob itself is written afterwards.
+    await store.write(Digest.of(data), single_chunk(data))
+    assert await read_all(store, Digest.of(data)) == data
 
 
 async def test_a_blob_whose_chunk_is_gone_is_missing_and_not_readable() -> None:

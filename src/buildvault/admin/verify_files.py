@@ -76,7 +76,7 @@ def _read_and_hash(fd: int, blob: BlobFile) -> bool:
     view = memoryview(buffer)
     size = 0
     while read := os.readv(fd, [buffer]):
-        hasher.update(view[:read])  # type: ignore[arg-type]  # both hashers take any buffer
+        hasher.update(view[:read])
         size += read
     return size == blob.size and hasher.hexdigest() == blob.hash
 

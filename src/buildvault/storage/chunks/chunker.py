@@ -8,8 +8,6 @@ server of the same parameters computes, and a chunk one of them stored is found 
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from pyfastcdc import FastCDC
@@ -61,43 +59,55 @@ class Piece:
     fast: bytes
 
 
-def _cut_window(
-    window: bytearray, params: ChunkingParams, function: DigestFunction, final: bool
-) -> tuple[list[Piece], int]:
-    """Cut `window`; return the final chunks and how many bytes they cover. Every chunk but the
-    last is final whatever follows (a cut point depends only on the bytes from the chunk's start
-    up to the max size); the last is final only at the end of the stream."""
-    views = cut(window, params)
-    if not final:
-        views = views[:-1]
-    pieces = []
-    used = 0
-    for view in views:
-        data = bytes(view)
-        hasher = new_hasher(function)
-        hasher.update(data)
-        pieces.append(Piece(Digest(hasher.hexdigest(), len(data), function), data, fastsum.of(data)))
-        used += len(data)
-    return pieces, used
+class StreamCutter:
+    """FastCDC 2020 over a stream handed over in batches, and the whole stream's hash beside it.
 
+    A batch goes through `join` (the unfinished tail of the batch before plus the new bytes, one
+    buffer), then `hash_blob` and `cut` side by side in two worker threads (SHA-256, the cutting
+    and the join's copy release the GIL). Batches go one at a time, in order: `join` and `cut` of
+    the next batch only after `cut` of this one. The chunks are exactly those of cutting the whole
+    stream at once: every chunk of a cut but the last is final whatever follows (its cut point
+    depends only on the bytes from its start up to the max size, and it was found before the end
+    of the buffer); the last one is final only at the end of the stream, so its bytes are kept and
+    cut again with the next batch."""
 
-async def cut_stream(
-    source: AsyncIterable[bytes], params: ChunkingParams, function: DigestFunction
-) -> AsyncIterator[list[Piece]]:
-    """The chunks of a stream, in order, in groups (one group per window cut in a worker thread).
+    def __init__(self, params: ChunkingParams, function: DigestFunction) -> None:
+        self.params = params
+        self.function = function
+        self.blob_hasher = new_hasher(function)
+        self._tail = b""
 
-    Memory stays bounded by about twice the max chunk size plus one incoming piece, and the
-    boundaries are exactly those of cutting the whole stream at once."""
-    window = bytearray()
-    # Cut once the window holds a few max-size chunks: each cut re-scans only the last partial chunk.
-    threshold = params.max_size * 2
-    async for data in source:
-        window += data
-        if len(window) >= threshold:
-            pieces, used = await asyncio.to_thread(_cut_window, window, params, function, False)
-            del window[:used]
-            if pieces:
-                yield pieces
-    if window:
-        pieces, _ = await asyncio.to_thread(_cut_window, window, params, function, True)
-        yield pieces
+    def join(self, parts: list[bytes]) -> tuple[bytes, int]:
+        """The tail and `parts` (emptied) as one buffer, and where the new bytes start in it."""
+        tail = self._tail
+        self._tail = b""
+        buffer = b"".join([tail, *parts]) if parts else tail  # exact bytes: the copy runs without the GIL
+        parts.clear()
+        return buffer, len(tail)
+
+    def hash_blob(self, buffer: bytes, start: int) -> None:
+        """Feed the new bytes of a joined batch to the whole stream's hash."""
+        self.blob_hasher.update(memoryview(buffer)[start:] if start else buffer)
+
+    def cut(self, buffer: bytes, final: bool) -> list[Piece]:
+        """The final chunks of a joined batch, each named by its hash and with its fast checksum;
+        the rest becomes the tail."""
+        views = cut(buffer, self.params)
+        if not final and views:
+            views.pop()
+        pieces = []
+        used = 0
+        function = self.function
+        for view in views:
+            data = bytes(view)
+            hasher = new_hasher(function)
+            hasher.update(data)
+            pieces.append(Piece(Digest(hasher.hexdigest(), len(data), function), data, fastsum.of(data)))
+            used += len(data)
+        if not final:
+            self._tail = buffer[used:] if used else buffer
+        return pieces
+
+    def hexdigest(self) -> str:
+        """The whole stream's hash (after the last batch)."""
+        return self.blob_hasher.hexdigest()

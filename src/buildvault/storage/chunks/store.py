@@ -14,7 +14,7 @@ Rules this decorator keeps:
 - A chunked blob is present only while its list and every chunk are: FindMissingBlobs and reads
   check the chunks, so a blob whose chunk was evicted is reported missing, never read torn.
 - A chunk is stored through the inner store's `store_verified`: its name and its fast checksum
-  were computed from the very bytes handed over, in `chunker._cut_window`, so the inner store
+  were computed from the very bytes handed over, in `StreamCutter.cut`, so the inner store
   does not hash it again (and its reads check that checksum).
 - Blobs stored whole before chunking was on (or below the threshold) are served as they are.
 """
@@ -22,12 +22,13 @@ Rules this decorator keeps:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Sequence
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from buildvault.config import Settings
-from buildvault.digest import Digest, DigestFunction, Hasher, InvalidDigest, new_hasher
+from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import (
     ActionStore,
@@ -41,7 +42,7 @@ from buildvault.storage import (
     read_blobs_one_by_one,
     write_blobs_one_by_one,
 )
-from buildvault.storage.chunks.chunker import ChunkingParams, Piece, cut_stream
+from buildvault.storage.chunks.chunker import ChunkingParams, Piece, StreamCutter
 from buildvault.storage.decorator import ForwardingBlobStore
 
 NAMESPACE = ac_namespace("", "chunks")
@@ -51,8 +52,14 @@ DEFAULT_THRESHOLD = Settings.chunking_threshold
 MAX_SPLICE_CHUNKS = 65_536
 # The dedup figures remember this many chunk hashes (about 100 bytes each).
 MAX_COUNTED_CHUNKS = 200_000
-# The whole blob's hash is handed to a worker thread in batches of about this many bytes.
-HASH_BATCH = 1 << 20
+# A chunked write hands its bytes to the worker threads in batches of this size (two max-size
+# chunks at the default parameters): per batch three thread hops (join; the blob's hash beside the
+# cut and the chunks' hashes), whatever the message size (Bazel sends 16 KiB).
+CUT_BATCH = 4 << 20
+MIN_CUT_BATCH = 1 << 20
+# What the chunked writes in progress hold between them (about three batches each): under many
+# concurrent uploads the batch shrinks (down to MIN_CUT_BATCH) instead of the memory growing.
+CHUNK_BUFFER_BUDGET = 48 << 20
 
 
 class MissingChunks(NotFound):
@@ -88,6 +95,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self.logical_bytes = 0
         self.stored_chunk_bytes = 0
         self._counted: set[str] = set()
+        self._writing = 0  # chunked writes in progress
 
     def stats(self) -> dict[str, float]:
         """Since this process started: bytes of blobs kept chunked, the chunk bytes they added."""
@@ -226,49 +234,78 @@ class ChunkedBlobStore(ForwardingBlobStore):
 
     # -- writing chunked -----------------------------------------------------------------------
 
+    def _batch_size(self) -> int:
+        """The batch a chunked write hands to the worker threads now: its share of
+        CHUNK_BUFFER_BUDGET (about three batches each: one arriving, one cut, one being stored)."""
+        share = CHUNK_BUFFER_BUDGET // (3 * max(1, self._writing))
+        return max(MIN_CUT_BATCH, min(CUT_BATCH, share))
+
     async def _write_chunked(self, digest: Digest, source: AsyncIterable[bytes]) -> list[Digest]:
-        hasher = new_hasher(digest.function)
+        """Receive, cut and store as a pipeline of three stages, one batch in each: while the event
+        loop gathers batch N+2, batch N+1 is joined and hashed (the whole blob's hash and each
+        chunk's name side by side in two worker threads) and batch N's new chunks are stored.
+        Nothing heavy runs on the event loop; the list is written after the last chunk is stored."""
+        cutter = StreamCutter(self.params, digest.function)
+        listed: list[Digest] = []
+        cutting: asyncio.Task[None] | None = None
+        storing: asyncio.Task[None] | None = None
+
+        async def cut_batch(parts: list[bytes], final: bool) -> None:
+            nonlocal storing
+            loop = asyncio.get_running_loop()
+            buffer, start = await loop.run_in_executor(None, cutter.join, parts)
+            hashing = loop.run_in_executor(None, cutter.hash_blob, buffer, start)
+            try:
+                pieces = await loop.run_in_executor(None, cutter.cut, buffer, final)
+                del buffer
+            finally:
+                if not hashing.done():
+                    hashing.add_done_callback(_retrieved)
+            await hashing
+            listed.extend(p.digest for p in pieces)
+            if storing is not None:
+                await storing  # one batch's chunks in flight at a time
+                storing = None
+            if pieces:
+                storing = _started(self._store_pieces(pieces))
+
         received = 0
-        # The whole blob's hash runs in a worker thread beside the receiving, the cutting and the
-        # chunks' hashes (hashlib releases the GIL): one batch in flight at a time, in order.
-        hashing: asyncio.Future[None] | None = None
-        batch: list[bytes] = []
+        parts: list[bytes] = []
         batched = 0
-
-        async def hash_batch() -> None:
-            nonlocal hashing, batch, batched
-            if hashing is not None:
-                await hashing
-            hashing = asyncio.get_running_loop().run_in_executor(None, _update_all, hasher, batch)
-            batch, batched = [], 0
-
-        async def counted() -> AsyncIterator[bytes]:
-            nonlocal received, batched
+        self._writing += 1
+        try:
+            batch = self._batch_size()
             async for data in source:
                 received += len(data)
                 if received > digest.size_bytes:
                     raise DigestMismatch(f"more than the {digest.size_bytes} bytes declared for {digest}")
-                batch.append(data)
+                parts.append(data)
                 batched += len(data)
-                if batched >= HASH_BATCH:
-                    await hash_batch()
-                yield data
-
-        listed: list[Digest] = []
-        try:
-            async for pieces in cut_stream(counted(), self.params, digest.function):
-                await self._store_pieces(pieces)
-                listed.extend(p.digest for p in pieces)
-            await hash_batch()
-            assert hashing is not None
-            await hashing
+                if batched >= batch:
+                    if cutting is not None:
+                        await cutting
+                    cutting = _started(cut_batch(parts, False))
+                    parts, batched = [], 0
+                    batch = self._batch_size()
+            if cutting is not None:
+                await cutting
+            if received != digest.size_bytes:
+                raise DigestMismatch(f"uploaded {received} bytes, {digest} declares {digest.size_bytes}")
+            cutting = _started(cut_batch(parts, True))
+            del parts
+            await cutting
+            if storing is not None:
+                await storing
         finally:
-            if hashing is not None and not hashing.done():
-                # Failed or cancelled: the thread finishes its batch on its own; nothing waits for it.
-                hashing.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if received != digest.size_bytes or hasher.hexdigest() != digest.hash:
+            self._writing -= 1
+            for task in (cutting, storing):
+                if task is not None and not task.done():
+                    # Failed or cancelled: the batches in hand are dropped (threads finish on their
+                    # own; a chunk already stored is a valid blob of its own, left to the LRU).
+                    task.cancel()
+        if cutter.hexdigest() != digest.hash:
             raise DigestMismatch(
-                f"uploaded bytes ({received} bytes, {digest.function.label} {hasher.hexdigest()}) do not match {digest}"
+                f"uploaded bytes ({received} bytes, {digest.function.label} {cutter.hexdigest()}) do not match {digest}"
             )
         # A store smaller than the blob (or one evicting hard) may have dropped a chunk stored
         # earlier in this write: a list then would answer OK for a blob already missing.
@@ -294,7 +331,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         absent = await self.inner.find_missing(list(unique))
         if absent:
             # Each chunk's name and fast checksum were computed from these very bytes
-            # (chunker._cut_window): the inner store need not hash them again
+            # (StreamCutter.cut): the inner store need not hash them again
             # (storage/__init__.py, `store_verified`).
             outcomes = await self.inner.store_verified([(d, unique[d].data, unique[d].fast) for d in absent])
             for outcome in outcomes:
@@ -344,6 +381,14 @@ def _close_unread(future: asyncio.Future[AsyncIterator[bytes]]) -> None:
         closing.add_done_callback(_closing.discard)
 
 
-def _update_all(hasher: Hasher, parts: list[bytes]) -> None:
-    for part in parts:
-        hasher.update(part)
+def _started(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A pipeline stage as a task whose failure is never logged as lost (the write raises it)."""
+    task = asyncio.ensure_future(coroutine)
+    task.add_done_callback(_retrieved)
+    return task
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a future's outcome as seen (one nobody awaits any more must not log it as lost)."""
+    if not future.cancelled():
+        future.exception()
