@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -318,7 +319,7 @@ def main() -> int:
         )
     ratios = sorted(float(str(r["vs_curl_file"])) for r in rows if r["scenario"] == "ratio")
     if ratios:
-        print(f"\ndownload / curl to a file: median {ratios[len(ratios) // 2]:.3f} (each: {ratios})")
+        print(f"\ndownload / curl to a file: median {statistics.median(ratios):.3f} (each: {ratios})")
     return 0
 
 
