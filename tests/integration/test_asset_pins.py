@@ -1,7 +1,8 @@
 """A golden pin keeps a Remote Asset: `buildvault asset pin` against a real `buildvault serve`
 under a tight `--max-size`. Filled far past the cap, the pinned asset's index entries and blob
 stay (FetchBlob answers with the origin down, by URL alone and by checksum alone); the unpinned
-asset fetched at the same time is evicted. Unpinned, the golden one goes too."""
+asset fetched at the same time is evicted. Unpinned, the golden one goes too. Both for an asset
+kept whole and for one kept as chunks (2 MiB and up: its chunks and chunk list are kept too)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from buildvault.remote_apis import ra_grpc, ra_pb2
 pytestmark = pytest.mark.timeout(300)
 
 Q = ra_pb2.Qualifier
-SIZE = 1 << 20  # below the chunking threshold: each asset is one blob
+SIZE = 1 << 20  # the fill's blobs
 
 
 def sri(data: bytes) -> str:
@@ -61,8 +62,9 @@ def _not_found(address: str, uris: list[str], *checksum: bytes) -> None:
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
 
 
-def test_a_pinned_asset_survives_eviction_and_an_unpinned_one_does_not(tmp_path, capsys) -> None:
-    golden, other = random.randbytes(SIZE), random.randbytes(SIZE)
+@pytest.mark.parametrize("size", [SIZE, 3 * SIZE], ids=["whole", "chunked"])
+def test_a_pinned_asset_survives_eviction_and_an_unpinned_one_does_not(tmp_path, capsys, size) -> None:
+    golden, other = random.randbytes(size), random.randbytes(size)
     server = ServerProcess(
         tmp_path / "data",
         name="tight",
@@ -83,7 +85,7 @@ def test_a_pinned_asset_survives_eviction_and_an_unpinned_one_does_not(tmp_path,
         # The origin is gone from here on: whatever is answered comes from the server alone.
         capsys.readouterr()
         assert cli.main(["asset", "pins", *remote]) == 0
-        assert capsys.readouterr().out == f"v1\t{hashlib.sha256(golden).hexdigest()}/{SIZE}\n"
+        assert capsys.readouterr().out == f"v1\t{hashlib.sha256(golden).hexdigest()}/{size}\n"
         assert ("ac", "assets", "v1") in {(p["namespace"], p["name"], p["label"]) for p in server.status()["pins"]}
 
         asyncio.run(_fill(address, 24, seed=1))  # 24 MiB through an 8 MiB store

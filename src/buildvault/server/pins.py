@@ -2,8 +2,9 @@
 
 Clients write pins as an ordinary ActionResult under the fixed pin-index key (buildvault/pins.py),
 one per instance. The registry hands the protector every blob a pin reaches (each pinned Tree,
-every file and directory in it, the `.key` blobs) and the action entries to keep (the index
-itself, each pinned artifact's entry, each pinned asset's index entries and content). It learns a pin index three ways:
+every file and directory in it, the `.key` blobs, each pinned asset's content; of a blob kept as
+chunks, its chunks and its chunk list) and the action entries to keep (the index itself, each
+pinned artifact's entry, each pinned asset's index entries). It learns a pin index three ways:
 - at start-up, from the local tier, for every instance that has entries there (`load`);
 - when one is written through this server, for any instance (`PinningActionStore.put`);
 - with a bucket, every `pins_refresh` seconds from the bucket, for every instance known here
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
@@ -26,6 +28,9 @@ from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import ActionStore, BlobStore, NotFound, StorageError
 from buildvault.storage.decorator import ForwardingActionStore
+
+if TYPE_CHECKING:
+    from buildvault.storage.build import ChunkParts
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +48,10 @@ def _digest(message: re_pb2.Digest) -> Digest | None:
 
 
 class PinRegistry:
-    def __init__(self, blobs: BlobStore, protect: Protector) -> None:
+    def __init__(self, blobs: BlobStore, protect: Protector, chunk_parts: ChunkParts | None = None) -> None:
         self.blobs = blobs
         self.protect = protect
+        self.chunk_parts = chunk_parts  # a pinned blob kept as chunks: its chunks and chunk list
         self.indexes: dict[str, re_pb2.ActionResult] = {}  # AC namespace -> pin index
         self.raw: dict[str, bytes] = {}  # AC namespace -> the pin index as stored
         self.known: set[str] = set()  # kind-"ac" namespaces this server has seen: where pins may be
@@ -108,6 +114,14 @@ class PinRegistry:
                 except (NotFound, ValueError):
                     continue
             actions |= await self._asset_entries(namespace, index)
+        if self.chunk_parts is not None:
+            for blob in list(blobs):
+                try:
+                    chunks, entries = await self.chunk_parts(blob)
+                except StorageError:
+                    continue
+                blobs.update(chunks)
+                actions.update(entries)
         self.pinned_blobs, self.pinned_actions = blobs, actions
         self.protect(blobs, actions)
 

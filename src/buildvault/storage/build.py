@@ -47,6 +47,7 @@ from buildvault.config import Settings, format_size
 from buildvault.digest import Digest
 from buildvault.storage import ActionStore, BlobStore, StorageError
 from buildvault.storage.chunks import ChunkedBlobStore
+from buildvault.storage.chunks.store import NAMESPACE as CHUNK_LISTS
 from buildvault.storage.empty_blob import EmptyBlobStore
 from buildvault.storage.fail_open import FailOpenActionStore, FailOpenBlobStore, SlowTierHealth
 from buildvault.storage.metrics import CLIENT_TIER, MeteredActionStore, MeteredBlobStore, StoreRecorder
@@ -86,8 +87,11 @@ class PinLayer(Protocol):
         """Every pin, for the status page."""
 
 
-# Makes the pin layer over the stack's blobs and the local tier's protector.
-PinFactory = Callable[[BlobStore, Protector], PinLayer]
+# What else a pinned blob needs kept when it is kept as chunks: (its chunks, its chunk list's
+# action entry); nothing for a blob kept whole.
+ChunkParts = Callable[[Digest], Awaitable[tuple[list[Digest], list[tuple[str, Digest]]]]]
+# Makes the pin layer over the stack's blobs, the local tier's protector and the chunk parts.
+PinFactory = Callable[[BlobStore, Protector, ChunkParts], PinLayer]
 
 
 @dataclass(frozen=True)
@@ -207,16 +211,26 @@ async def open_store_stack(
         stack.actions = MeteredActionStore(stack.actions, recorder, CLIENT_TIER)
     if pins is not None:
         try:
-            await _add_pins(stack, settings, pins)
+            await _add_pins(stack, settings, pins, _chunk_parts(chunked))
         except BaseException:
             await stack.aclose()
             raise
     return stack
 
 
-async def _add_pins(stack: StoreStack, settings: Settings, pins: PinFactory) -> None:
+def _chunk_parts(chunked: ChunkedBlobStore) -> ChunkParts:
+    async def parts(digest: Digest) -> tuple[list[Digest], list[tuple[str, Digest]]]:
+        if digest.size_bytes < chunked.threshold:
+            return [], []
+        chunks = await chunked.chunk_list(digest)
+        return ([], []) if chunks is None else (chunks, [(CHUNK_LISTS, digest)])
+
+    return parts
+
+
+async def _add_pins(stack: StoreStack, settings: Settings, pins: PinFactory, chunk_parts: ChunkParts) -> None:
     """The pin layer outermost on the action side; the pin indexes read before anyone is served."""
-    layer = stack.pins = pins(stack.blobs, stack.protect)
+    layer = stack.pins = pins(stack.blobs, stack.protect, chunk_parts)
     stack.actions = layer.wrap(stack.actions)
     # Start-up reads every instance's pin index from the local tier (never waiting on, or
     # counting a miss in, the bucket); pins set through other servers come from the bucket later.
