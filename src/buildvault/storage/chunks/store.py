@@ -52,10 +52,11 @@ DEFAULT_THRESHOLD = Settings.chunking_threshold
 MAX_SPLICE_CHUNKS = 65_536
 # The dedup figures remember this many chunk hashes (about 100 bytes each).
 MAX_COUNTED_CHUNKS = 200_000
-# A chunked write hands its bytes to the worker threads in batches of this size (two max-size
-# chunks at the default parameters): per batch three thread hops (join; the blob's hash beside the
-# cut and the chunks' hashes), whatever the message size (Bazel sends 16 KiB).
-CUT_BATCH = 4 << 20
+# A chunked write hands its bytes to the worker threads in batches of this size (one max-size
+# chunk at the default parameters): per batch three thread hops (join; the blob's hash beside the
+# cut and the chunks' hashes), whatever the message size (Bazel sends 16 KiB). 4 MiB batches ran
+# no faster and held 12 MiB more at the peak (bench/notes/2026-12-06-chunk-writes.md).
+CUT_BATCH = 2 << 20
 MIN_CUT_BATCH = 1 << 20
 # What the chunked writes in progress hold between them (about three batches each): under many
 # concurrent uploads the batch shrinks (down to MIN_CUT_BATCH) instead of the memory growing.
