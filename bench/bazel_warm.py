@@ -11,6 +11,7 @@ binary it fetched prints the expected line.
     python bench/bazel_warm.py --libs 60 --reps 3     # buildvault vs --disk_cache (+ BuildGrid)
     python bench/bazel_warm.py --floor                # + a remote cache that is a dict in memory
     python bench/bazel_warm.py --cold-reps 3 --reps 1 # the cold build three times (fresh sources each)
+    python bench/bazel_warm.py --chunking-ab --cold-reps 3 --reps 5   # chunking on vs --chunking false
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cold-reps", type=int, default=1, help="cold builds per backend, each of fresh sources")
     parser.add_argument("--buildgrid", action="store_true", help="also time the build through BuildGrid")
+    parser.add_argument("--chunking-ab", action="store_true",
+                        help="buildvault with chunking (the default) vs --chunking false; no --disk_cache")  # fmt: skip
     parser.add_argument("--floor", action="store_true",
                         help="also via bench/floor_server.py (grpc.aio, a dict in memory): the floor")  # fmt: skip
     args = parser.parse_args(argv)
@@ -164,10 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bv = servers.start_buildvault(workdir / "bv-data", workdir / "bv.log")
         started.append(bv)
-        backends: dict[str, dict[str, Any]] = {
-            "buildvault": {"remote_cache": f"grpc://{bv.address}"},
-            "disk_cache": {"disk_cache": workdir / "disk-cache"},
-        }
+        backends: dict[str, dict[str, Any]] = {"buildvault": {"remote_cache": f"grpc://{bv.address}"}}
+        if args.chunking_ab:
+            whole = servers.start_buildvault(
+                workdir / "bv-whole-data", workdir / "bv-whole.log", ["--chunking", "false"]
+            )
+            started.append(whole)
+            backends["buildvault-chunking-false"] = {"remote_cache": f"grpc://{whole.address}"}
+        else:
+            backends["disk_cache"] = {"disk_cache": workdir / "disk-cache"}
         if args.buildgrid:
             bg = servers.start_buildgrid(workdir / "bg-data", workdir / "bg.log")
             started.append(bg)
