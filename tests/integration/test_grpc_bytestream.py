@@ -49,6 +49,18 @@ async def test_read_chunks_at_most_1mib(stubs):
     assert max(sizes) <= MiB and sum(sizes) == len(data)
 
 
+@pytest.mark.parametrize("offset", [0, 1000])
+async def test_every_read_message_but_the_last_is_1mib(stubs, offset):
+    """Whatever pieces the store yields (a blob kept as chunks, the server's default from 2 MiB:
+    chunks of 128 KiB to 2 MiB), every message but the last carries 1 MiB."""
+    data = blob(9 * MiB + 5)
+    await write(stubs, data, chunk=MiB)
+    request = bs_pb2.ReadRequest(resource_name=read_name(digest(data)), read_offset=offset)
+    pieces = [r.data async for r in stubs.bytestream.Read(request)]
+    assert b"".join(pieces) == data[offset:]
+    assert [len(p) for p in pieces[:-1]] == [MiB] * (len(pieces) - 1) and 0 < len(pieces[-1]) <= MiB
+
+
 async def test_read_offset_and_limit(stubs):
     data = blob(2 * MiB + 100)
     await write(stubs, data)

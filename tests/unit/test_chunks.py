@@ -329,7 +329,7 @@ def open_fds() -> int:
 
 
 async def test_an_abandoned_read_of_a_chunked_blob_leaves_no_file_open(tmp_path: Path) -> None:
-    """Reads open the next chunk while this one is sent: a read given up midway closes both."""
+    """A read given up midway (after the first bytes, after a few chunks) leaves no chunk file open."""
     data = random.Random(9).randbytes(12 << 20)  # the advertised parameters: chunks up to 2 MiB, files
     digest = Digest.of(data)
     async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:

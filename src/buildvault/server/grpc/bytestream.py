@@ -325,15 +325,25 @@ class ByteStreamService:
         if resource.compressor is not None:
             chunks = zstd_compress_stream(source, digest.size_bytes - offset)
         sent = 0
+        # Every message but the last carries READ_CHUNK_SIZE bytes, whatever the pieces the store
+        # yields (a chunked blob's chunks are 128 KiB-2 MiB): framing copies them once anyway,
+        # and fewer messages cost less.
+        parts: list[memoryview] = []
+        held = 0
         try:
             async for chunk in chunks:
-                if len(chunk) <= READ_CHUNK_SIZE:
-                    await context.write(read_response(chunk))
-                else:
-                    view = memoryview(chunk)
-                    for start in range(0, len(chunk), READ_CHUNK_SIZE):
-                        await context.write(read_response(view[start : start + READ_CHUNK_SIZE]))
+                view = memoryview(chunk)
+                while view:
+                    take = min(len(view), READ_CHUNK_SIZE - held)
+                    parts.append(view[:take])
+                    held += take
+                    view = view[take:]
+                    if held == READ_CHUNK_SIZE:
+                        await context.write(read_response(*parts))
+                        parts, held = [], 0
                 sent += len(chunk)
+            if parts:
+                await context.write(read_response(*parts))
         finally:
             # A client that goes away mid-read must not leave the store's file open.
             await close_chunks(chunks)
@@ -408,11 +418,12 @@ class ByteStreamService:
         return bs_pb2.QueryWriteStatusResponse(committed_size=0, complete=False)
 
 
-def read_response(data: bytes | memoryview) -> bytes:
-    """The serialized ReadResponse carrying `data`, framed by hand (field 10, length-delimited): the
-    same bytes as `ReadResponse(data=data).SerializeToString()`, without building the message,
-    which copied a 1 MiB chunk twice more on the event loop (about 1 ms against 25 us here)."""
-    n = len(data)
+def read_response(*parts: bytes | memoryview) -> bytes:
+    """The serialized ReadResponse carrying `parts` joined, framed by hand (field 10,
+    length-delimited): the same bytes as `ReadResponse(data=b"".join(parts)).SerializeToString()`,
+    without building the message, which copied a 1 MiB chunk twice more on the event loop (about
+    1 ms against 25 us here)."""
+    n = sum(map(len, parts))
     if not n:
         return b""
     header = bytearray(b"\x52")  # field 10 (`data`), wire type 2
@@ -420,7 +431,7 @@ def read_response(data: bytes | memoryview) -> bytes:
         header.append(n & 0x7F | 0x80)
         n >>= 7
     header.append(n)
-    return b"".join((header, data))
+    return b"".join((header, *parts))
 
 
 def _serialize_read(response: bytes | bs_pb2.ReadResponse) -> bytes:

@@ -61,6 +61,9 @@ MIN_CUT_BATCH = 1 << 20
 # What the chunked writes in progress hold between them (about three batches each): under many
 # concurrent uploads the batch shrinks (down to MIN_CUT_BATCH) instead of the memory growing.
 CHUNK_BUFFER_BUDGET = 48 << 20
+# A read of a chunked blob fetches whole chunks in batches of up to this many bytes (one store
+# call, one trip of the disk store's worker threads, instead of one per chunk).
+READ_BATCH = 2 << 20
 
 
 class MissingChunks(NotFound):
@@ -170,8 +173,9 @@ class ChunkedBlobStore(ForwardingBlobStore):
         return self._read_chunks(chunks, offset, end)
 
     async def _read_chunks(self, chunks: Sequence[Digest], start: int, end: int) -> AsyncIterator[bytes]:
-        """The bytes [start, end) of a blob kept as `chunks`: each chunk a read of the inner store
-        (a whole one verified there), the next one opened while this one is sent."""
+        """The bytes [start, end) of a blob kept as `chunks`. Whole chunks are fetched a few at a time
+        (`read_blobs`: one trip of the disk store, each chunk verified there), up to READ_BATCH bytes;
+        a chunk of which only part is wanted, or one larger than READ_BATCH, is read as a stream."""
         spans: list[tuple[Digest, int, int]] = []  # chunk, offset in it, limit (0: to its end)
         position = 0
         for chunk in chunks:
@@ -183,24 +187,27 @@ class ChunkedBlobStore(ForwardingBlobStore):
             position = chunk_end
             if position >= end:
                 break
-        ahead: asyncio.Future[AsyncIterator[bytes]] | None = None
-        try:
-            for i, span in enumerate(spans):
-                if ahead is None:
-                    stream = await self.inner.read(*span)
-                else:
-                    stream, ahead = await ahead, None
-                if i + 1 < len(spans):  # a small chunk is read whole (and verified) by then
-                    ahead = asyncio.ensure_future(self.inner.read(*spans[i + 1]))
+        i = 0
+        while i < len(spans):
+            batch: list[Digest] = []
+            size = 0
+            while i < len(spans) and spans[i][1:] == (0, 0) and size + spans[i][0].size_bytes <= READ_BATCH:
+                batch.append(spans[i][0])
+                size += spans[i][0].size_bytes
+                i += 1
+            if not batch:
+                stream = await self.inner.read(*spans[i])
+                i += 1
                 try:
                     async for data in stream:
                         yield data
                 finally:
                     await close_chunks(stream)
-        finally:
-            if ahead is not None:
-                ahead.cancel()
-                ahead.add_done_callback(_close_unread)
+                continue
+            for found in await self.inner.read_blobs(batch):
+                if isinstance(found, Exception):
+                    raise found
+                yield found
 
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
         if all(d.size_bytes < self.threshold for d in digests):
@@ -369,17 +376,6 @@ class ChunkedBlobStore(ForwardingBlobStore):
         for chunk in chunks:
             async for data in await self.read(chunk):
                 yield data
-
-
-_closing: set[asyncio.Future[None]] = set()  # closes of unread chunk streams under way
-
-
-def _close_unread(future: asyncio.Future[AsyncIterator[bytes]]) -> None:
-    """A chunk opened ahead of a read that ended first: close its stream (an open file) if it got one."""
-    if not future.cancelled() and future.exception() is None:
-        closing = asyncio.ensure_future(close_chunks(future.result()))
-        _closing.add(closing)
-        closing.add_done_callback(_closing.discard)
 
 
 def _started(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
