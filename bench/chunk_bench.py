@@ -14,9 +14,10 @@ artifact  Ten successive versions of a tar of a csrc-like build output tree (ben
 stream    ByteStream Write (1 MiB messages) and Read of a fresh random blob of `--size`, with
           chunking on and off (servers alternated, order rotated each repetition): MiB/s, the
           server's CPU seconds, its peak resident memory (less file pages).
-reads     What the SHA-256 check of every whole read costs (the issue's "On reads"): with
-          chunking off, a whole read (hashed on the way) against a read of all but the last byte
-          (a range: not hashed), alternated; and single-core hash and checksum throughput.
+reads     What the check of every whole read costs (the issue's "On reads": XXH3-64 now,
+          SHA-256 before): with chunking off, a whole read (checked on the way) against a read of
+          all but the last byte (a range: not checked), alternated; and single-core hash and
+          checksum throughput.
 
 Prints one JSON document. Not a timed test; figures go to bench/RESULTS.md, runs to bench/notes/.
 """
