@@ -14,7 +14,7 @@ import pytest
 from disk_helpers import wait_until
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import DigestMismatch, NotFound, StorageFull, close_chunks, fastsum, single_chunk
+from buildvault.storage import CHUNK_SIZE, DigestMismatch, NotFound, StorageFull, close_chunks, fastsum, single_chunk
 from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams, MissingChunks, cut
 from buildvault.storage.chunks import store as chunk_store
 from buildvault.storage.chunks.chunker import Piece, StreamCutter
@@ -370,3 +370,22 @@ async def test_a_damaged_chunk_fails_the_read_and_makes_the_blob_missing(tmp_pat
                 received += len(piece)
         assert received < len(data)
         assert await store.find_missing([digest]) == [digest]
+
+
+async def test_a_read_yields_at_most_a_read_piece_even_of_larger_chunks() -> None:
+    """Chunks of the advertised parameters reach 2 MiB; a read still hands out at most CHUNK_SIZE
+    bytes at a time (the BlobStore contract), whether the chunk came by read_blobs or a stream."""
+    store = ChunkedBlobStore(MemoryBlobStore(), MemoryActionStore(), ChunkingParams(), threshold=8192)
+    noise = random.Random(3).randbytes(3 << 20)
+    data = noise + bytes(8 << 20) + noise  # no cut point in the zeros: chunks of the max size there
+    digest = Digest.of(data)
+    await store.write(digest, single_chunk(data))
+    listed = await store.chunk_list(digest)
+    assert listed is not None
+    assert any(CHUNK_SIZE < c.size_bytes <= chunk_store.READ_BATCH for c in listed)  # the case under test
+    pieces = [piece async for piece in await store.read(digest)]
+    assert b"".join(pieces) == data
+    assert max(map(len, pieces)) <= CHUNK_SIZE
+    ranged = [piece async for piece in await store.read(digest, 1, len(data) - 2)]
+    assert b"".join(ranged) == data[1:-1]
+    assert max(map(len, ranged)) <= CHUNK_SIZE

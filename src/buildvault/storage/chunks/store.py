@@ -31,6 +31,7 @@ from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage import (
+    CHUNK_SIZE,
     ActionStore,
     BlobStore,
     DigestMismatch,
@@ -207,7 +208,11 @@ class ChunkedBlobStore(ForwardingBlobStore):
             for found in await self.inner.read_blobs(batch):
                 if isinstance(found, Exception):
                     raise found
-                yield found
+                if len(found) <= CHUNK_SIZE:
+                    yield found
+                    continue
+                for at in range(0, len(found), CHUNK_SIZE):  # a read yields at most CHUNK_SIZE at a time
+                    yield found[at : at + CHUNK_SIZE]
 
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
         if all(d.size_bytes < self.threshold for d in digests):
