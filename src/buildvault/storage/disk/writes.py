@@ -67,38 +67,34 @@ class Writer:
         share = UPLOAD_BUFFER_BUDGET // (3 * max(1, self.receiving))
         return max(MIN_WRITE_BATCH, min(WRITE_BATCH, share))
 
-    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+    async def _stored(self, digest: Digest, key: bytes) -> bool:
+        """Before a blob write: refuse one larger than the store; True (and touched) when the blob
+        is already stored, verified when it was written, so the caller need not write it."""
         core = self.core
         core.check_open()
-        size = digest.size_bytes
-        if size > core.index.max_size:
+        if digest.size_bytes > core.index.max_size:
             raise CapacityExceeded(f"blob {digest} is larger than the store's {core.index.max_size} bytes")
-        key = cas_key(digest)
         if core.suspects and digest.hash in core.suspects:
             await core.recheck([digest])
         if key in core.index.entries:
-            # Already stored and verified when it was written: do not read the stream at all.
             core.index.touch(key)
-            return
-        await self._store(key, digest, size, chunks, digest, replace=False)
+            return True
+        return False
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        key = cas_key(digest)
+        if not await self._stored(digest, key):  # stored: the stream is not read at all
+            await self._store(key, digest, digest.size_bytes, chunks, digest, replace=False)
 
     async def _write_hashed(self, digest: Digest, data: bytes, checksum: bytes) -> None:
         """`write` of a whole blob whose caller hashed `data` itself: the size is checked, the hash
         not; `checksum` (the caller's fast checksum of the bytes it hashed) is recorded with it."""
-        core = self.core
-        core.check_open()
         size = digest.size_bytes
         if len(data) != size:
             raise DigestMismatch(f"blob {digest}: got {len(data)} bytes, declared {size}")
-        if size > core.index.max_size:
-            raise CapacityExceeded(f"blob {digest} is larger than the store's {core.index.max_size} bytes")
         key = cas_key(digest)
-        if core.suspects and digest.hash in core.suspects:
-            await core.recheck([digest])
-        if key in core.index.entries:
-            core.index.touch(key)
-            return
-        await self._store(key, None, size, bytes(data), digest, replace=False, checksum=checksum)
+        if not await self._stored(digest, key):
+            await self._store(key, None, size, bytes(data), digest, replace=False, checksum=checksum)
 
     async def put_entry(self, namespace: str, digest: Digest, data: bytes) -> None:
         core = self.core
