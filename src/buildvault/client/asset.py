@@ -163,6 +163,19 @@ def _sha256(text: str) -> bytes | None:
     return raw
 
 
+def _fetch_blob(client: _Client, args: argparse.Namespace, raw: bytes) -> ra_pb2.FetchBlobResponse:
+    """FetchBlob of `args.urls` with their sha256 `raw` as the checksum qualifier."""
+    request = ra_pb2.FetchBlobRequest(
+        instance_name=client.instance,
+        uris=args.urls,
+        qualifiers=[ra_pb2.Qualifier(name=SRI_QUALIFIER, value=_sri(raw))],
+    )
+    response: ra_pb2.FetchBlobResponse = client.fetch.FetchBlob(
+        request, timeout=args.timeout, metadata=client.metadata
+    )
+    return response
+
+
 def _fetch(client: _Client, args: argparse.Namespace) -> int:
     raw = _sha256(args.sha256)
     if raw is None:
@@ -175,12 +188,7 @@ def _fetch(client: _Client, args: argparse.Namespace) -> int:
                 hasher.update(block)
         if hasher.digest() == raw:
             return OK
-    request = ra_pb2.FetchBlobRequest(
-        instance_name=client.instance,
-        uris=args.urls,
-        qualifiers=[ra_pb2.Qualifier(name=SRI_QUALIFIER, value=_sri(raw))],
-    )
-    answer = client.fetch.FetchBlob(request, timeout=args.timeout, metadata=client.metadata)
+    answer = _fetch_blob(client, args, raw)
     client.read_to(answer.blob_digest, output, raw)
     print(output)
     return OK
@@ -213,12 +221,7 @@ def _pin(client: _Client, args: argparse.Namespace, remote: str) -> int:
     raw = _sha256(args.sha256)
     if raw is None:
         return USAGE
-    request = ra_pb2.FetchBlobRequest(
-        instance_name=client.instance,
-        uris=args.urls,
-        qualifiers=[ra_pb2.Qualifier(name=SRI_QUALIFIER, value=_sri(raw))],
-    )
-    answer = client.fetch.FetchBlob(request, timeout=args.timeout, metadata=client.metadata)
+    answer = _fetch_blob(client, args, raw)
     content = Digest.from_proto(answer.blob_digest)
     keys = [sri_key(Checksum("sha256", raw))] + [uri_key(url, []) for url in args.urls]
     with contextlib.closing(_pin_remote(client, remote)) as pins_remote:
