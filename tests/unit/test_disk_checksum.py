@@ -72,6 +72,14 @@ async def test_a_verified_write_records_the_checksum_of_its_bytes(tmp_path: Path
             assert recorded(blob_path(tmp_path, Digest.of(data))) == fastsum.of(data)
 
 
+async def write_random(storage: DiskStorage, size: int) -> tuple[bytes, Digest]:
+    """A new random blob of `size` bytes, written through the store's streaming write."""
+    data = os.urandom(size)
+    digest = Digest.of(data)
+    await storage.cas.write(digest, chunked(data))
+    return data, digest
+
+
 @pytest.mark.parametrize("size", SIZES)
 async def test_a_store_verified_file_records_the_callers_checksum(tmp_path: Path, size: int) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
@@ -87,9 +95,7 @@ async def test_whole_reads_check_the_checksum_without_the_digest_function(
     tmp_path: Path, size: int, batch: bool, digest_runs: list[int]
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
-        data = os.urandom(size)
-        digest = Digest.of(data)
-        await storage.cas.write(digest, chunked(data))
+        data, digest = await write_random(storage, size)
         written = len(digest_runs)
         assert written >= 1  # the write verified the digest
         for _ in range(3):
@@ -103,9 +109,7 @@ async def test_a_file_without_a_checksum_is_verified_by_its_digest_then_records_
     tmp_path: Path, size: int, batch: bool, digest_runs: list[int]
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
-        data = os.urandom(size)
-        digest = Digest.of(data)
-        await storage.cas.write(digest, chunked(data))
+        data, digest = await write_random(storage, size)
         path = blob_path(tmp_path, digest)
         os.removexattr(path, fileops.FAST_XATTR)  # as a file written before checksums were recorded
         before = len(digest_runs)
@@ -119,9 +123,7 @@ async def test_a_file_without_a_checksum_is_verified_by_its_digest_then_records_
 @pytest.mark.parametrize("size", SIZES)
 async def test_a_damaged_file_without_a_checksum_is_never_served(tmp_path: Path, size: int) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
-        data = os.urandom(size)
-        digest = Digest.of(data)
-        await storage.cas.write(digest, chunked(data))
+        data, digest = await write_random(storage, size)
         path = blob_path(tmp_path, digest)
         os.removexattr(path, fileops.FAST_XATTR)
         flip(path)
@@ -139,9 +141,7 @@ async def test_a_checksum_mismatch_reports_the_blob_missing_and_removes_it(
     tmp_path: Path, size: int, batch: bool
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
-        data = os.urandom(size)
-        digest = Digest.of(data)
-        await storage.cas.write(digest, chunked(data))
+        data, digest = await write_random(storage, size)
         path = blob_path(tmp_path, digest)
         os.setxattr(path, fileops.FAST_XATTR, fastsum.of(data + b"x"))  # right bytes, a checksum of others
         with pytest.raises(NotFound):
@@ -157,9 +157,7 @@ async def test_a_checksum_mismatch_reports_the_blob_missing_and_removes_it(
 @pytest.mark.parametrize("size", SIZES)
 async def test_a_checksum_of_another_length_counts_as_none(tmp_path: Path, size: int) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
-        data = os.urandom(size)
-        digest = Digest.of(data)
-        await storage.cas.write(digest, chunked(data))
+        data, digest = await write_random(storage, size)
         path = blob_path(tmp_path, digest)
         os.setxattr(path, fileops.FAST_XATTR, b"short")
         assert await read_all(storage, digest) == data  # verified by its digest
