@@ -240,14 +240,11 @@ def read_many(items: list[tuple[str, Digest]]) -> list[tuple[int, bytes | OSErro
 
 
 def _verified(fd: int, data: bytes, digest: Digest) -> bool:
-    """Whether the whole content `data` of the open blob file `fd` is right (see `Check`)."""
-    recorded = recorded_sum(fd)
-    if recorded is not None:
-        return fastsum.of(data) == recorded
-    if not content_matches(data, digest):
-        return False
-    record_sum(fd, fastsum.of(data))
-    return True
+    """Whether the whole content `data` of the open blob file `fd` is right (`Check` in one step)."""
+    check = Check(digest)
+    check.start(fd)
+    check.update(data)
+    return check.finish(fd)
 
 
 def _read_rest(fd: int, wanted: int) -> bytes:
