@@ -10,7 +10,11 @@ A pinned Remote Asset (`buildvault asset pin`) is two OutputFiles: `assets/LABEL
 asset's content, and `assets/LABEL.entries`, a blob naming the asset index entries to keep (one
 line `FUNCTION HASH/SIZE` each: the entry's key digest in the instance's `asset` namespace).
 Neither path ends in `.key`, so a reader that knows only artifact pins keeps both blobs and
-nothing more.
+nothing more. A pinned directory asset (recorded by PushDirectory) has the same two files, its
+`.blob` being the root Directory, and an OutputDirectory `assets/LABEL/tree` whose Tree is the
+directory's whole tree (root_directory_digest: the root): the pinned Tree of an artifact pin,
+so a server keeps it and every blob it names as it keeps an artifact's. Its path has two
+slashes, so it is never taken for an artifact pin `NAME/LABEL`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from buildvault.remote_apis import re_pb2
 
 INDEX_COMMAND = "buildvault-pins/1"
 ASSET_DIR = "assets"
-_ASSET_BLOB, _ASSET_ENTRIES = ".blob", ".entries"
+_ASSET_BLOB, _ASSET_ENTRIES, _ASSET_TREE = ".blob", ".entries", "/tree"
 _FUNCTIONS = ("sha256", "blake3")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
@@ -45,8 +49,8 @@ def valid_name(text: str) -> bool:
 
 
 def pinned_trees(index: re_pb2.ActionResult) -> dict[str, re_pb2.Digest]:
-    """{"NAME/LABEL": Tree digest} of a pin index."""
-    return {d.path: d.tree_digest for d in index.output_directories}
+    """{"NAME/LABEL": Tree digest} of the artifact pins of a pin index (not directory assets')."""
+    return {d.path: d.tree_digest for d in index.output_directories if d.path.count("/") == 1}
 
 
 def key_blobs(index: re_pb2.ActionResult) -> list[re_pb2.Digest]:
@@ -70,8 +74,23 @@ def asset_paths(label: str) -> tuple[str, str]:
     return f"{ASSET_DIR}/{label}{_ASSET_BLOB}", f"{ASSET_DIR}/{label}{_ASSET_ENTRIES}"
 
 
+def asset_tree_path(label: str) -> str:
+    """The pin index path of a directory asset pin's Tree (an OutputDirectory)."""
+    return f"{ASSET_DIR}/{label}{_ASSET_TREE}"
+
+
+def pinned_asset_trees(index: re_pb2.ActionResult) -> dict[str, re_pb2.Digest]:
+    """{LABEL: Tree digest} of the directory asset pins of a pin index."""
+    prefix = f"{ASSET_DIR}/"
+    return {
+        d.path[len(prefix) : -len(_ASSET_TREE)]: d.tree_digest
+        for d in index.output_directories
+        if d.path.startswith(prefix) and d.path.endswith(_ASSET_TREE) and d.path.count("/") == 2
+    }
+
+
 def pinned_assets(index: re_pb2.ActionResult) -> dict[str, re_pb2.Digest]:
-    """{LABEL: content digest} of the asset pins of a pin index."""
+    """{LABEL: content digest} of the asset pins of a pin index (a directory's: its root Directory)."""
     prefix = f"{ASSET_DIR}/"
     return {
         f.path[len(prefix) : -len(_ASSET_BLOB)]: f.digest

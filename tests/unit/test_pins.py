@@ -54,3 +54,20 @@ def test_asset_pin_entries_round_trip_and_reach_gc() -> None:
         index_key, f"{prefix}ac/asset/team/sha256/{HASH}", f"{prefix}ac/asset/team/blake3/{'cd' * 32}"}  # fmt: skip
     del objects[f"{prefix}cas/sha256/{entries.hash}"]  # the entries blob is gone: the index holds itself
     assert gc_pins.pinned_entries(prefix, [index_key], objects.get) == {index_key}
+
+
+def test_a_directory_asset_pin_is_an_asset_never_an_artifact_pin() -> None:
+    from buildvault.remote_apis import re_pb2
+
+    tree, root, artifact = (re_pb2.Digest(hash=c * 64, size_bytes=9) for c in "abc")
+    blob_path, _ = pins.asset_paths("golden")
+    index = re_pb2.ActionResult(
+        output_files=[re_pb2.OutputFile(path=blob_path, digest=root)],
+        output_directories=[re_pb2.OutputDirectory(path=pins.asset_tree_path("golden"), tree_digest=tree,
+                                                   root_directory_digest=root),
+                            re_pb2.OutputDirectory(path="assets/golden", tree_digest=artifact)],  # an artifact "assets"
+    )  # fmt: skip
+    assert pins.asset_tree_path("golden") == "assets/golden/tree"
+    assert pins.pinned_trees(index) == {"assets/golden": artifact}
+    assert pins.pinned_asset_trees(index) == {"golden": tree}
+    assert pins.pinned_assets(index) == {"golden": root}

@@ -4,8 +4,9 @@ A pin index is the action entry `ac/<ac namespace>/sha256/<pins.INDEX_DIGEST>` o
 It never ages out, nor does the action entry of any artifact it pins (named by its `.key`
 blobs), nor the asset index entries an asset pin names (its `.entries` blob). Their blobs are
 kept as every kept entry's are: the pin index is itself an ActionResult whose output directories
-are the pinned Trees and whose output files are the `.key` blobs and each pinned asset's content
-and `.entries` blob.
+are the pinned Trees (artifacts', and pinned directory assets' with their root Directory) and whose
+output files are the `.key` blobs and each pinned asset's content and `.entries` blob; a pinned
+directory asset's entry names the Directory blobs below its root.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ sources, a mirror of an internal tarball).
     buildvault asset push FILE --uri URL [--uri URL...]     a writer stores FILE under the URLs
     buildvault asset pin URL... --sha256 HEX --label LABEL  a writer keeps it (a golden pin:
                                                           never evicted, never removed by gc)
+    buildvault asset pin URL... --directory --label LABEL   the same for a directory pushed by
+                                                          PushDirectory (its whole tree)
     buildvault asset unpin LABEL | pins                     remove a pin | list them
 
 The server comes from `--remote` or BUILDVAULT_REMOTE (grpc://host:port), credentials from
@@ -48,19 +50,24 @@ def add_asset_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     sub = parser.add_subparsers(dest="asset_command", metavar="ACTION", required=True)
     for name, text in (("fetch", "fetch URL into FILE: from the cache, else through the server"),
                        ("push", "store FILE under the URLs (needs write permission)"),
-                       ("pin", "fetch it (cache first), then pin it as LABEL: kept through eviction and gc"),
+                       ("pin", "fetch it (cache first; a pushed directory with --directory), then pin it as "
+                               "LABEL: kept through eviction and gc"),
                        ("unpin", "remove asset pin LABEL"),
-                       ("pins", "list asset pins: LABEL, HASH/SIZE")):  # fmt: skip
+                       ("pins", "list asset pins: LABEL, HASH/SIZE (and `directory` for a directory)")):  # fmt: skip
         p = sub.add_parser(name, help=text)
         p.add_argument("--remote", default=None, help="grpc://host:port (default: BUILDVAULT_REMOTE)")
         p.add_argument("--instance", default=None, help="REAPI instance name (default: BUILDVAULT_INSTANCE)")
         p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="for the whole call")
         if name in ("fetch", "pin"):
             p.add_argument("urls", nargs="+", metavar="URL", help="the origin URL and any mirrors")
-            p.add_argument("--sha256", required=True, metavar="HEX", help="the content's SHA-256")
         if name == "fetch":
+            p.add_argument("--sha256", required=True, metavar="HEX", help="the content's SHA-256")
             p.add_argument("-o", "--output", default=None, metavar="FILE", help="default: the URL's file name")
         elif name == "pin":
+            what = p.add_mutually_exclusive_group(required=True)
+            what.add_argument("--sha256", metavar="HEX", help="a blob: the content's SHA-256")
+            what.add_argument("--directory", action="store_true",
+                              help="a directory recorded by PushDirectory (FetchDirectory of the URLs)")  # fmt: skip
             p.add_argument("--label", required=True, metavar="LABEL", help="the pin's name")
         elif name == "unpin":
             p.add_argument("label", metavar="LABEL")
@@ -115,6 +122,21 @@ class _Client:
         except BaseException:
             Path(temp).unlink(missing_ok=True)
             raise
+
+    def directories(self, root: re_pb2.Digest) -> list[re_pb2.Directory]:
+        """Every Directory of the tree under `root`, the root first (GetTree, page by page)."""
+        out: list[re_pb2.Directory] = []
+        token = ""
+        while True:
+            request = re_pb2.GetTreeRequest(instance_name=self.instance, root_digest=root, page_token=token)
+            for page in self.cas.GetTree(request, timeout=self.timeout, metadata=self.metadata):
+                out.extend(page.directories)
+                token = page.next_page_token
+            if not token:
+                break
+        if not out:
+            raise RemoteError(f"GetTree of {root.hash}/{root.size_bytes} answered no directory")
+        return out
 
     def upload(self, path: Path) -> Digest:
         hasher = hashlib.sha256()
@@ -218,6 +240,8 @@ def _pin_remote(client: _Client, remote: str) -> Remote:
 def _pin(client: _Client, args: argparse.Namespace, remote: str) -> int:
     """FetchBlob (a hit, or the server's download), then pin the blob and the index entries a
     fetch of it is answered from: its checksum's, and each URL's (without other qualifiers)."""
+    if args.directory:
+        return _pin_directory(client, args, remote)
     raw = _sha256(args.sha256)
     if raw is None:
         return USAGE
@@ -227,6 +251,23 @@ def _pin(client: _Client, args: argparse.Namespace, remote: str) -> int:
     with contextlib.closing(_pin_remote(client, remote)) as pins_remote:
         set_asset_pin(pins_remote, args.label, content, [key_digest(k, DigestFunction.SHA256) for k in keys])
     print(f"[buildvault] PINNED asset={args.urls[0]} blob={content.hash}/{content.size_bytes} pin={args.label}")
+    return OK
+
+
+def _pin_directory(client: _Client, args: argparse.Namespace, remote: str) -> int:
+    """FetchDirectory (a hit: directories come from Push only), then pin its root Directory, a
+    Tree of the whole tree (every Directory and file under it, as GetTree reads them) and the
+    index entries FetchDirectory of each URL (without qualifiers) is answered from."""
+    request = ra_pb2.FetchDirectoryRequest(instance_name=client.instance, uris=args.urls)
+    answer = client.fetch.FetchDirectory(request, timeout=args.timeout, metadata=client.metadata)
+    root = Digest.from_proto(answer.root_directory_digest)
+    directories = client.directories(answer.root_directory_digest)
+    tree = re_pb2.Tree(root=directories[0], children=directories[1:]).SerializeToString(deterministic=True)
+    keys = [key_digest(uri_key(url, []), DigestFunction.SHA256) for url in args.urls]
+    with contextlib.closing(_pin_remote(client, remote)) as pins_remote:
+        set_asset_pin(pins_remote, args.label, root, keys, tree=tree)
+    print(f"[buildvault] PINNED asset={args.urls[0]} directory={root.hash}/{root.size_bytes} "
+          f"directories={len(directories)} pin={args.label}")  # fmt: skip
     return OK
 
 
@@ -242,8 +283,10 @@ def _unpin(client: _Client, args: argparse.Namespace, remote: str) -> int:
 def _pins(client: _Client, args: argparse.Namespace, remote: str) -> int:
     with contextlib.closing(_pin_remote(client, remote)) as pins_remote:
         index = read_index(pins_remote)
+    trees = pins.pinned_asset_trees(index)
     for label, blob in sorted(pins.pinned_assets(index).items()):
-        print(f"{label}\t{blob.hash}/{blob.size_bytes}")
+        kind = "\tdirectory" if label in trees else ""  # a directory's blob is its root Directory
+        print(f"{label}\t{blob.hash}/{blob.size_bytes}{kind}")
     return OK
 
 

@@ -2,9 +2,10 @@
 
 Clients write pins as an ordinary ActionResult under the fixed pin-index key (buildvault/pins.py),
 one per instance. The registry hands the protector every blob a pin reaches (each pinned Tree,
-every file and directory in it, the `.key` blobs, each pinned asset's content; of a blob kept as
-chunks, its chunks and its chunk list) and the action entries to keep (the index itself, each
-pinned artifact's entry, each pinned asset's index entries). It learns a pin index three ways:
+every file and Directory it names, a pinned directory asset's root Directory, the `.key` blobs,
+each pinned asset's content; of a blob kept as chunks, its chunks and its chunk list) and the
+action entries to keep (the index itself, each pinned artifact's entry, each pinned asset's index
+entries). It learns a pin index three ways:
 - at start-up, from the local tier, for every instance that has entries there (`load`);
 - when one is written through this server, for any instance (`PinningActionStore.put`);
 - with a bucket, every `pins_refresh` seconds from the bucket, for every instance known here
@@ -86,8 +87,10 @@ class PinRegistry:
             return {digest}
         out = {digest}
         for directory in [tree.root, *tree.children]:
-            for f in directory.files:
-                d = _digest(f.digest)
+            # Files, and the Directory blobs below the root: FetchDirectory and GetTree of a
+            # pinned directory asset read them (an artifact's Tree names Directories nobody stores).
+            for digest_message in [*(n.digest for n in directory.files), *(n.digest for n in directory.directories)]:
+                d = _digest(digest_message)
                 if d is not None:
                     out.add(d)
         return out
@@ -97,10 +100,13 @@ class PinRegistry:
         actions: set[tuple[str, Digest]] = set()
         for namespace, index in self.indexes.items():
             actions.add((namespace, pins.INDEX_DIGEST))
-            for tree in pins.pinned_trees(index).values():
-                d = _digest(tree)
+            for output in index.output_directories:  # artifact pins and directory asset pins
+                d = _digest(output.tree_digest)
                 if d is not None:
                     blobs |= await self._tree_blobs(d)
+                root = _digest(output.root_directory_digest)  # None when unset (an artifact's)
+                if root is not None:
+                    blobs.add(root)
             for f in index.output_files:
                 d = _digest(f.digest)
                 if d is not None:
@@ -186,16 +192,21 @@ class PinRegistry:
 
     def listing(self) -> list[dict[str, str]]:
         """Every pin, for the status page: instance namespace, artifact name, label, Tree digest;
-        an asset pin's name is `assets` and it has the asset's `blob` digest instead."""
+        an asset pin's name is `assets` and it has the asset's `blob` digest instead (a directory
+        asset's root Directory, and its `tree` too)."""
         out = []
         for namespace, index in sorted(self.indexes.items()):
             for path, tree in sorted(pins.pinned_trees(index).items()):
                 name, _, label = path.partition("/")
                 out.append({"namespace": namespace, "name": name, "label": label,
                             "tree": f"{tree.hash}/{tree.size_bytes}"})
+            trees = pins.pinned_asset_trees(index)
             for label, blob in sorted(pins.pinned_assets(index).items()):
-                out.append({"namespace": namespace, "name": pins.ASSET_DIR, "label": label,
-                            "blob": f"{blob.hash}/{blob.size_bytes}"})
+                pin = {"namespace": namespace, "name": pins.ASSET_DIR, "label": label,
+                       "blob": f"{blob.hash}/{blob.size_bytes}"}
+                if label in trees:  # a directory: `blob` is its root Directory
+                    pin["tree"] = f"{trees[label].hash}/{trees[label].size_bytes}"
+                out.append(pin)
         return out
 
 
