@@ -119,6 +119,13 @@ class Settings:
     chunking_threshold: int = _setting(
         parse_size("2MiB"), parse_size, "blobs of at least this size are kept as chunks", "SIZE"
     )
+    # Large blobs are stored whole and answered, then chunked in the background (the disk tier
+    # alone): the write costs what a whole one does. Beyond this many bytes waiting, they are cut
+    # as they arrive, so the whole copies never take more of the disk than this.
+    chunking_backlog: int = _setting(
+        parse_size("1GiB"), parse_size, "bytes of large blobs that may wait to be chunked after the write (0: none)",
+        "SIZE",
+    )
     grpc_address: str = _setting("127.0.0.1:9092", parse_address, "gRPC listen address (empty: off)", "HOST:PORT")
     http_address: str = _setting("127.0.0.1:8080", parse_address, "HTTP listen address (empty: off)", "HOST:PORT")
     processes: int = _setting(

@@ -22,6 +22,8 @@ import threading
 import urllib.request
 from pathlib import Path
 
+from polling import wait_for
+
 READY_PREFIX = "buildvault ready:"
 _ADDRESS = re.compile(r"\b(grpc|http)=(\S+)")
 START_TIMEOUT = 60.0
@@ -174,6 +176,11 @@ class ServerProcess:
         """The HTTP listener's /status document."""
         with urllib.request.urlopen(f"http://{self.http_address}/status", timeout=10) as response:
             return json.load(response)
+
+    def wait_chunked(self, timeout: float = 120.0) -> None:
+        """Wait until no large blob stored whole waits to be chunked (the chunk store converts
+        them after the write: docs/architecture.md, "The chunk store")."""
+        wait_for(lambda: self.status()["chunking"]["backlog_blobs"] == 0, timeout, "large blobs kept as chunks")
 
     def __enter__(self) -> ServerProcess:
         return self.start() if not self.running else self

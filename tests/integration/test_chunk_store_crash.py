@@ -84,7 +84,9 @@ async def present_blobs_read_back(stubs, blobs: list[bytes]) -> tuple[set[int], 
 
 async def test_kill_9_while_16_clients_write_shared_chunks(tmp_path) -> None:
     data_dir = tmp_path / "data"
-    server = ServerProcess(data_dir, name="crash").start()
+    # No backlog: each blob is cut as it arrives (what every write does once the backlog is full).
+    cut_on_arrival = ["--chunking-backlog", "0"]
+    server = ServerProcess(data_dir, name="crash", extra_args=cut_on_arrival).start()
     blobs = make_blobs(35)
     held = os.urandom(6 << 20)  # its first window (4 MiB) is cut and stored before the stream ends
     held_chunks = [bytes(c) for c in cut(held, ChunkingParams())]
@@ -143,14 +145,14 @@ async def test_kill_9_while_16_clients_write_shared_chunks(tmp_path) -> None:
         # blob, then every present blob read (used), then fillers that push the store over its
         # cap by the orphans' bytes: that pass must take the orphans (and at most the buffer).
         server.stop()
-        server.extra_args = ["--eviction-hold", "0"]
+        server.extra_args = [*cut_on_arrival, "--eviction-hold", "0"]
         server.start()
         used = server.status()["current_size_bytes"]
         server.stop()
         buffer = os.urandom((2 << 20) - 1)  # just under the chunking threshold: one whole file
         fillers = [os.urandom(1 << 20) for _ in range(-(-sum(orphans.values()) // (1 << 20)) + 1)]
         cap = used + len(buffer) + sum(map(len, fillers)) - sum(orphans.values())
-        server.extra_args = ["--eviction-hold", "0", "--max-size", str(cap)]
+        server.extra_args = [*cut_on_arrival, "--eviction-hold", "0", "--max-size", str(cap)]
         server.start()
         async with grpc.aio.insecure_channel(server.grpc_address, options=CLIENT_OPTIONS) as channel:
             await channel.channel_ready()
@@ -165,5 +167,46 @@ async def test_kill_9_while_16_clients_write_shared_chunks(tmp_path) -> None:
         left = set(chunk_files(data_dir)) & set(orphans)
         assert not left, f"{len(left)} orphan chunk(s) outlived the eviction pass"
         assert named_after <= set(chunk_files(data_dir))
+    finally:
+        server.kill()
+
+
+async def test_kill_9_while_blobs_stored_whole_are_being_chunked(tmp_path) -> None:
+    """Chunking after the write: blobs are acknowledged once stored whole, and the server is killed
+    while its background task converts them (at least one converted, others waiting). After a
+    restart every acknowledged blob reads back exactly, whichever state it was left in (whole,
+    listed, or both), and every blob reported present reads back exactly."""
+    data_dir = tmp_path / "data"
+    server = ServerProcess(data_dir, name="convert").start()
+    blobs = make_blobs(36) + make_blobs(37)
+    acknowledged: set[int] = set()
+    try:
+        async with grpc.aio.insecure_channel(server.grpc_address, options=CLIENT_OPTIONS) as channel:
+            await channel.channel_ready()
+            stubs = make_stubs(channel)
+
+            async def client(c: int) -> None:
+                for i in range(c, len(blobs), CLIENTS):
+                    assert await write(stubs, blobs[i]) == len(blobs[i])
+                    acknowledged.add(i)
+
+            tasks = [asyncio.ensure_future(client(c)) for c in range(CLIENTS)]
+
+            def converting() -> bool:
+                chunking = server.status()["chunking"]
+                return chunking["logical_bytes"] > 0 and chunking["backlog_blobs"] > 0
+
+            await asyncio.to_thread(wait_for, converting, 120, "a blob converted and others waiting", 0.02)
+            server.kill()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        whole = {f"{digest(blobs[i]).hash}-{len(blobs[i])}" for i in acknowledged} & set(chunk_files(data_dir))
+        assert 0 < len(whole) < len(acknowledged), "not killed mid-conversion: the test proves nothing"
+
+        server.start()
+        async with grpc.aio.insecure_channel(server.grpc_address, options=CLIENT_OPTIONS) as channel:
+            await channel.channel_ready()
+            present, named = await present_blobs_read_back(make_stubs(channel), blobs)
+        assert acknowledged <= present, f"acknowledged blobs lost: {sorted(acknowledged - present)}"
+        assert named <= set(chunk_files(data_dir))
     finally:
         server.kill()

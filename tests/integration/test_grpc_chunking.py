@@ -4,6 +4,7 @@ requests get."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 
@@ -97,12 +98,15 @@ async def test_split_of_a_blob_uploaded_whole_returns_readable_chunks(stubs) -> 
     assert all(hashlib.sha256(p).hexdigest() == d.hash for p, d in zip(pieces, split.chunk_digests, strict=True))
 
 
-async def test_a_blob_sharing_chunks_with_a_stored_one_needs_only_the_changed_chunks(stubs) -> None:
+async def test_a_blob_sharing_chunks_with_a_stored_one_needs_only_the_changed_chunks(
+    stubs, shared_buildvault_server
+) -> None:
     base = random.Random(7).randbytes(8 * MAX)
     changed = bytearray(base)
     changed[4 * MAX : 4 * MAX + 100] = bytes(100)
     cache = await capabilities(stubs)
     await write(stubs, base, chunk=1 << 20)
+    await asyncio.to_thread(shared_buildvault_server.wait_chunked)  # chunked after the write
     chunks = client_chunks(bytes(changed), cache)
     absent = await missing(stubs, [digest(c) for c in chunks])
     # Only the chunks around the edit are new to the server.

@@ -292,6 +292,12 @@ class _ChunkingCollector:
                 f"{p}_dedup_ratio", "Logical bytes per stored byte of the chunked blobs (1: nothing shared).",
                 value=s["dedup_ratio"],
             ),  # fmt: skip
+            GaugeMetricFamily(
+                f"{p}_backlog_blobs", "Large blobs stored whole, waiting to be chunked.", value=s["backlog_blobs"]
+            ),
+            GaugeMetricFamily(
+                f"{p}_backlog_bytes", "Bytes of the large blobs waiting to be chunked.", value=s["backlog_bytes"]
+            ),
         ]
 
 

@@ -16,7 +16,8 @@ The primary's CAS stack, outermost first (every tier metered under its own name)
     MeteredBlobStore("client")
       EmptyBlobStore                        the empty blob is always present
         ChunkedBlobStore                    always: large blobs as FastCDC chunks + a chunk list
-                                            (storage/chunks/); new ones only with settings.chunking
+                                            (storage/chunks/); new ones only with settings.chunking;
+                                            without a bucket, chunked after the write
           TieredBlobStore                   only with a bucket (storage/objectstore/)
             fast: MeteredBlobStore("local") > DiskBlobStore
             slow: MeteredBlobStore("object_store") > FailOpen > ExistenceCache > ObjectStore
@@ -124,6 +125,7 @@ class StoreStack:
     protect: Protector = _protect_nothing  # pinned versions: what the local tier's eviction skips
     namespaces: Callable[[], Awaitable[list[str]]] | None = None  # the local tier's AC namespaces
     local_actions: ActionStore | None = None  # the local tier alone (start-up reads that must not wait on a bucket)
+    discard: Callable[[Digest], Awaitable[None]] | None = None  # drops a blob from the disk tier
     object_tier: ObjectTier | None = None
     chunks: ChunkedBlobStore | None = None  # the chunk store (SplitBlob/SpliceBlob); None: chunking off
     pins: PinLayer | None = None
@@ -201,8 +203,14 @@ async def open_store_stack(
     # Always in the stack: with chunking off new blobs go whole, but blobs kept as chunks while it
     # was on are still served. Only with it on are SplitBlob/SpliceBlob offered (stack.chunks).
     chunked = ChunkedBlobStore(
-        stack.blobs, stack.actions, threshold=settings.chunking_threshold, chunk_writes=settings.chunking
+        stack.blobs,
+        stack.actions,
+        threshold=settings.chunking_threshold,
+        chunk_writes=settings.chunking,
+        discard=stack.discard if stack.object_tier is None else None,  # a bucket's whole copy is shared
+        backlog=settings.chunking_backlog,
     )
+    stack.closers.append(chunked.aclose)
     stack.chunks = chunked if settings.chunking else None
     stack.blobs = chunked
     stack.blobs = EmptyBlobStore(stack.blobs)
@@ -259,6 +267,7 @@ async def _open_disk(settings: Settings, validate_entry: EntryValidator | None) 
         local_stats=storage.stats,
         protect=storage.protect,
         namespaces=storage.namespaces,
+        discard=storage.cas.discard,
         closers=[storage.close],
     )
 

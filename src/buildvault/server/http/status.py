@@ -184,6 +184,7 @@ def render_html(doc: dict[str, Any], charts_html: str = "") -> str:
             ("Chunked blobs, logical", _human_bytes(chunking["logical_bytes"])),
             ("Chunked blobs, stored", _human_bytes(chunking["stored_bytes"])),
             ("Dedup ratio", f"{chunking['dedup_ratio']:.2f}"),
+            ("Waiting to be chunked", _human_bytes(chunking["backlog_bytes"])),
         ]
     rows += _execution_rows(doc.get("execution"))
     body = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>" for k, v in rows)

@@ -17,12 +17,22 @@ Rules this decorator keeps:
   were computed from the very bytes handed over, in `StreamCutter.cut`, so the inner store
   does not hash it again (and its reads check that checksum).
 - Blobs stored whole before chunking was on (or below the threshold) are served as they are.
+
+Chunking after the write: given `discard` (the local disk tier alone, where a whole copy can be
+dropped; storage/build.py), a large blob is stored whole, verified as any blob is, and answered;
+a background task then cuts the stored copy (read back under its fast checksum: no second
+SHA-256 of the whole), stores its chunks, writes the list and only then discards the whole copy.
+A crash leaves the whole copy, the list, or both (reads prefer the list; a whole copy no longer
+read goes with the LRU). One conversion runs at a time, leaving the other core to the requests;
+while the whole copies waiting exceed `backlog` bytes (0: always), blobs are cut as they arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Coroutine, Sequence
+import contextlib
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -46,8 +56,12 @@ from buildvault.storage import (
 from buildvault.storage.chunks.chunker import ChunkingParams, Piece, StreamCutter
 from buildvault.storage.decorator import ForwardingBlobStore
 
+log = logging.getLogger(__name__)
+
 NAMESPACE = ac_namespace("", "chunks")
 DEFAULT_THRESHOLD = Settings.chunking_threshold
+DEFAULT_BACKLOG = Settings.chunking_backlog
+CONVERTER_TASK = "chunking after the write"  # the background task's name (bench/walks.py leaves it out)
 # A SpliceBlob naming more chunks than this is refused (a blob of 100,000 tiny chunks would
 # cost a store call per chunk for no dedup).
 MAX_SPLICE_CHUNKS = 65_536
@@ -87,6 +101,8 @@ class ChunkedBlobStore(ForwardingBlobStore):
         params: ChunkingParams | None = None,
         threshold: int = DEFAULT_THRESHOLD,
         chunk_writes: bool = True,
+        discard: Callable[[Digest], Awaitable[None]] | None = None,
+        backlog: int = DEFAULT_BACKLOG,
     ) -> None:
         super().__init__(inner)
         self.lists = lists
@@ -101,6 +117,15 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self.stored_chunk_bytes = 0
         self._counted: set[str] = set()
         self._writing = 0  # chunked writes in progress
+        # Chunking after the write (None: blobs are cut as they arrive).
+        self._discard = discard
+        self.backlog = backlog
+        self._waiting: dict[Digest, None] = {}  # stored whole, to be converted (oldest first)
+        self.backlog_bytes = 0  # their bytes, the one being converted included
+        self._converting: dict[Digest, asyncio.Future[list[Digest] | None]] = {}
+        self._converter: asyncio.Task[None] | None = None
+        self._settled = asyncio.Event()
+        self._settled.set()
 
     def stats(self) -> dict[str, float]:
         """Since this process started: bytes of blobs kept chunked, the chunk bytes they added."""
@@ -109,7 +134,24 @@ class ChunkedBlobStore(ForwardingBlobStore):
             "logical_bytes": float(self.logical_bytes),
             "stored_bytes": float(stored),
             "dedup_ratio": self.logical_bytes / stored if stored else 1.0,
+            "backlog_blobs": float(len(self._waiting)),
+            "backlog_bytes": float(self.backlog_bytes),
         }
+
+    async def settled(self) -> None:
+        """Return once no blob stored whole waits to be converted (tests and benchmarks)."""
+        await self._settled.wait()
+
+    async def aclose(self) -> None:
+        """Stop converting: the blobs still waiting stay whole (served as they are)."""
+        converter, self._converter = self._converter, None
+        if converter is not None:
+            converter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await converter
+        self._waiting.clear()
+        self.backlog_bytes = 0
+        self._settled.set()
 
     # -- chunk lists ---------------------------------------------------------------------------
 
@@ -167,7 +209,13 @@ class ChunkedBlobStore(ForwardingBlobStore):
             return await self.inner.read(digest, offset, limit)
         chunks = await self._complete_list(digest)
         if chunks is None:
-            return await self.inner.read(digest, offset, limit)
+            try:
+                return await self.inner.read(digest, offset, limit)
+            except NotFound:
+                # Converted meanwhile: its list was written before the whole copy was dropped.
+                chunks = await self._complete_list(digest) if self._discard is not None else None
+                if chunks is None:
+                    raise
         if offset < 0 or limit < 0 or offset > digest.size_bytes:
             raise InvalidRange(f"offset {offset} (limit {limit}) outside blob {digest}")
         end = digest.size_bytes if limit == 0 else min(digest.size_bytes, offset + limit)
@@ -223,7 +271,11 @@ class ChunkedBlobStore(ForwardingBlobStore):
         if digest.size_bytes < self.threshold or not self.chunk_writes:
             await self.inner.write(digest, chunks)
             return
-        await self._write_chunked(digest, chunks)
+        if self._discard is None or self.backlog_bytes + digest.size_bytes > self.backlog:
+            await self._write_chunked(digest, chunks)
+            return
+        await self.inner.write(digest, chunks)
+        self._convert_later(digest)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
         if not self.chunk_writes or all(d.size_bytes < self.threshold for d, _ in items):
@@ -253,11 +305,14 @@ class ChunkedBlobStore(ForwardingBlobStore):
         share = CHUNK_BUFFER_BUDGET // (3 * max(1, self._writing))
         return max(MIN_CUT_BATCH, min(CUT_BATCH, share))
 
-    async def _write_chunked(self, digest: Digest, source: AsyncIterable[bytes]) -> list[Digest]:
+    async def _write_chunked(
+        self, digest: Digest, source: AsyncIterable[bytes], *, verified: bool = False
+    ) -> list[Digest]:
         """Receive, cut and store as a pipeline of three stages, one batch in each: while the event
         loop gathers batch N+2, batch N+1 is joined and hashed (the whole blob's hash and each
         chunk's name side by side in two worker threads) and batch N's new chunks are stored.
-        Nothing heavy runs on the event loop; the list is written after the last chunk is stored."""
+        Nothing heavy runs on the event loop; the list is written after the last chunk is stored.
+        `verified`: `source` is the stored blob, read back under its checksum; not hashed again."""
         cutter = StreamCutter(self.params, digest.function)
         listed: list[Digest] = []
         cutting: asyncio.Task[None] | None = None
@@ -267,14 +322,18 @@ class ChunkedBlobStore(ForwardingBlobStore):
             nonlocal storing
             loop = asyncio.get_running_loop()
             buffer, start = await loop.run_in_executor(None, cutter.join, parts)
-            hashing = loop.run_in_executor(None, cutter.hash_blob, buffer, start)
-            try:
+            if verified:
                 pieces = await loop.run_in_executor(None, cutter.cut, buffer, final)
                 del buffer
-            finally:
-                if not hashing.done():
-                    hashing.add_done_callback(_retrieved)
-            await hashing
+            else:
+                hashing = loop.run_in_executor(None, cutter.hash_blob, buffer, start)
+                try:
+                    pieces = await loop.run_in_executor(None, cutter.cut, buffer, final)
+                    del buffer
+                finally:
+                    if not hashing.done():
+                        hashing.add_done_callback(_retrieved)
+                await hashing
             listed.extend(p.digest for p in pieces)
             if storing is not None:
                 await storing  # one batch's chunks in flight at a time
@@ -316,7 +375,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
                     # Failed or cancelled: the batches in hand are dropped (threads finish on their
                     # own; a chunk already stored is a valid blob of its own, left to the LRU).
                     task.cancel()
-        if cutter.hexdigest() != digest.hash:
+        if not verified and cutter.hexdigest() != digest.hash:
             raise DigestMismatch(
                 f"uploaded bytes ({received} bytes, {digest.function.label} {cutter.hexdigest()}) do not match {digest}"
             )
@@ -361,8 +420,10 @@ class ChunkedBlobStore(ForwardingBlobStore):
         chunks = await self._complete_list(digest)
         if chunks is not None:
             return chunks
-        stream = await self.inner.read(digest)
-        return await self._write_chunked(digest, stream)
+        chunks = await self._convert(digest)
+        if chunks is None:
+            raise NotFound(f"blob {digest} not found")
+        return chunks
 
     async def splice(self, digest: Digest, chunks: Sequence[Digest]) -> None:
         """Make `digest` from `chunks` in order: MissingChunks if any is absent, DigestMismatch if
@@ -375,7 +436,69 @@ class ChunkedBlobStore(ForwardingBlobStore):
         missing = await self.find_missing(list(dict.fromkeys(chunks)))
         if missing:
             raise MissingChunks(missing)
-        await self.write(digest, self._concatenate(chunks))
+        if self.chunk_writes and digest.size_bytes >= self.threshold:
+            await self._write_chunked(digest, self._concatenate(chunks))  # its chunks are mostly here
+        else:
+            await self.write(digest, self._concatenate(chunks))
+
+    # -- chunking after the write --------------------------------------------------------------
+
+    def _convert_later(self, digest: Digest) -> None:
+        if digest in self._waiting:
+            return
+        self._waiting[digest] = None
+        self.backlog_bytes += digest.size_bytes
+        self._settled.clear()
+        if self._converter is None or self._converter.done():
+            self._converter = asyncio.create_task(self._convert_waiting(), name=CONVERTER_TASK)
+
+    async def _convert_waiting(self) -> None:
+        while self._waiting:
+            digest = next(iter(self._waiting))
+            try:
+                await self._convert(digest)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the blob stays whole, served as it is
+                log.warning("blob %s stays whole: chunking it failed: %s", digest, exc)
+            finally:
+                if self._waiting.pop(digest, 0) is None:
+                    self.backlog_bytes -= digest.size_bytes
+        self._settled.set()
+
+    async def _convert(self, digest: Digest) -> list[Digest] | None:
+        """Keep a blob stored whole as chunks (its list written before the whole copy is dropped);
+        None if it is not stored. Concurrent conversions of one blob share the first one's work."""
+        running = self._converting.get(digest)
+        if running is not None:
+            return await asyncio.shield(running)
+        future: asyncio.Future[list[Digest] | None] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_retrieved)
+        self._converting[digest] = future
+        try:
+            chunks = await self._complete_list(digest)
+            if chunks is None:
+                try:
+                    stream = await self.inner.read(digest)
+                except NotFound:
+                    future.set_result(None)
+                    return None
+                try:
+                    chunks = await self._write_chunked(digest, stream, verified=True)
+                finally:
+                    await close_chunks(stream)
+            # A blob under the threshold stays whole (SplitBlob of any blob is answered); one
+            # that is its own only chunk is both.
+            if self._discard is not None and digest.size_bytes >= self.threshold and digest not in chunks:
+                await self._discard(digest)
+            future.set_result(chunks)
+            return chunks
+        except BaseException as exc:
+            if not future.done():
+                future.set_exception(exc)
+            raise
+        finally:
+            del self._converting[digest]
 
     async def _concatenate(self, chunks: Sequence[Digest]) -> AsyncIterator[bytes]:
         for chunk in chunks:

@@ -513,6 +513,16 @@ class Core:
         future.add_done_callback(done)
         return future
 
+    def discard(self, key: bytes) -> asyncio.Future[None] | None:
+        """Drop a stored blob its owner no longer needs (the chunk store, once the blob is kept as
+        chunks): forget it and delete its file, unless it is pinned or being published. A read
+        already under way keeps its open file."""
+        if key not in self.index.entries or key in self.publishing or key in self.index.protected:
+            return None
+        record = self.index.in_records(key)
+        self.index.forget(key)
+        return self.delete_file(key, record)
+
     def drop_missing(self, key: bytes) -> None:
         """The file or record vanished behind our back (deleted by hand, by verify --repair): forget it."""
         if key in self.index.entries and key not in self.publishing:

@@ -489,6 +489,16 @@ class DiskBlobStore:
     async def lookup(self, function: DigestFunction, hash: str) -> Digest:
         return await self._reader.lookup(function, hash)
 
+    async def discard(self, digest: Digest) -> None:
+        """Delete a blob kept another way now (as chunks); a pinned one stays (Core.discard)."""
+        try:
+            key = cas_key(digest)
+        except InvalidDigest:
+            return
+        deleting = self._core.discard(key)
+        if deleting is not None:
+            await deleting
+
     def stats(self) -> DiskStats:
         return self._core.index.stats()
 
