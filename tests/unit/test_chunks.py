@@ -463,10 +463,10 @@ async def test_beyond_the_backlog_blobs_are_cut_as_they_arrive(tmp_path: Path) -
             blocked = asyncio.Event()
             convert = store._convert
 
-            async def held(digest: Digest) -> list[Digest] | None:
+            async def held(digest: Digest, **options: bool) -> list[Digest] | None:
                 blocked.set()
                 await release.wait()
-                return await convert(digest)
+                return await convert(digest, **options)
 
             store._convert = held  # type: ignore[method-assign]  # hold the first conversion
             await store.write(Digest.of(blobs[0]), single_chunk(blobs[0]))
@@ -525,3 +525,27 @@ async def test_closing_leaves_the_blobs_waiting_whole_and_readable(tmp_path: Pat
         reopened = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192)
         for blob in blobs:
             assert await read_all(reopened, Digest.of(blob)) == blob
+
+
+async def test_the_conversion_waits_while_a_large_read_is_served(tmp_path: Path) -> None:
+    """Background work takes the CPU the requests leave: nothing is converted while a read of a
+    large blob is in progress, and the conversion goes on once it is done."""
+    first, second = (random.Random(50 + i).randbytes(100_000) for i in range(2))
+    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
+        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard)
+        try:
+            await store.write(Digest.of(first), single_chunk(first))
+            await store.settled()
+            stream = await store.read(Digest.of(first))
+            got = [await anext(stream)]  # the read is under way
+            await store.write(Digest.of(second), single_chunk(second))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(store.settled(), 1.0)
+            assert await store.chunk_list(Digest.of(second)) is None
+            got += [piece async for piece in stream]
+            assert b"".join(got) == first
+            await store.settled()
+            assert await store.chunk_list(Digest.of(second)) is not None
+            assert await read_all(store, Digest.of(second)) == second
+        finally:
+            await store.aclose()

@@ -23,8 +23,9 @@ dropped; storage/build.py), a large blob is stored whole, verified as any blob i
 a background task then cuts the stored copy (read back under its fast checksum: no second
 SHA-256 of the whole), stores its chunks, writes the list and only then discards the whole copy.
 A crash leaves the whole copy, the list, or both (reads prefer the list; a whole copy no longer
-read goes with the LRU). One conversion runs at a time, leaving the other core to the requests;
-while the whole copies waiting exceed `backlog` bytes (0: always), blobs are cut as they arrive.
+read goes with the LRU). One conversion runs at a time, and only while no large read or write is
+in progress (it pauses between batches when one starts): it takes the CPU the requests leave.
+While the whole copies waiting exceed `backlog` bytes (0: always), blobs are cut as they arrive.
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self._converter: asyncio.Task[None] | None = None
         self._settled = asyncio.Event()
         self._settled.set()
+        # Large reads and writes in progress: the conversion waits until there are none (it takes
+        # the CPU the requests leave; the backlog bound keeps the whole copies from piling up).
+        self._foreground = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
 
     def stats(self) -> dict[str, float]:
         """Since this process started: bytes of blobs kept chunked, the chunk bytes they added."""
@@ -137,6 +143,25 @@ class ChunkedBlobStore(ForwardingBlobStore):
             "backlog_blobs": float(len(self._waiting)),
             "backlog_bytes": float(self.backlog_bytes),
         }
+
+    def _enter(self) -> None:
+        self._foreground += 1
+        self._quiet.clear()
+
+    def _leave(self) -> None:
+        self._foreground -= 1
+        if not self._foreground:
+            self._quiet.set()
+
+    async def _served(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`stream`, counted as a large read in progress while it is read."""
+        self._enter()
+        try:
+            async for data in stream:
+                yield data
+        finally:
+            self._leave()
+            await close_chunks(stream)
 
     async def settled(self) -> None:
         """Return once no blob stored whole waits to be converted (tests and benchmarks)."""
@@ -210,7 +235,8 @@ class ChunkedBlobStore(ForwardingBlobStore):
         chunks = await self._complete_list(digest)
         if chunks is None:
             try:
-                return await self.inner.read(digest, offset, limit)
+                stream = await self.inner.read(digest, offset, limit)
+                return stream if self._discard is None else self._served(stream)
             except NotFound:
                 # Converted meanwhile: its list was written before the whole copy was dropped.
                 chunks = await self._complete_list(digest) if self._discard is not None else None
@@ -219,7 +245,8 @@ class ChunkedBlobStore(ForwardingBlobStore):
         if offset < 0 or limit < 0 or offset > digest.size_bytes:
             raise InvalidRange(f"offset {offset} (limit {limit}) outside blob {digest}")
         end = digest.size_bytes if limit == 0 else min(digest.size_bytes, offset + limit)
-        return self._read_chunks(chunks, offset, end)
+        stream = self._read_chunks(chunks, offset, end)
+        return stream if self._discard is None else self._served(stream)
 
     async def _read_chunks(self, chunks: Sequence[Digest], start: int, end: int) -> AsyncIterator[bytes]:
         """The bytes [start, end) of a blob kept as `chunks`. Whole chunks are fetched a few at a time
@@ -271,10 +298,14 @@ class ChunkedBlobStore(ForwardingBlobStore):
         if digest.size_bytes < self.threshold or not self.chunk_writes:
             await self.inner.write(digest, chunks)
             return
-        if self._discard is None or self.backlog_bytes + digest.size_bytes > self.backlog:
-            await self._write_chunked(digest, chunks)
-            return
-        await self.inner.write(digest, chunks)
+        self._enter()
+        try:
+            if self._discard is None or self.backlog_bytes + digest.size_bytes > self.backlog:
+                await self._write_chunked(digest, chunks)
+                return
+            await self.inner.write(digest, chunks)
+        finally:
+            self._leave()
         self._convert_later(digest)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
@@ -306,13 +337,14 @@ class ChunkedBlobStore(ForwardingBlobStore):
         return max(MIN_CUT_BATCH, min(CUT_BATCH, share))
 
     async def _write_chunked(
-        self, digest: Digest, source: AsyncIterable[bytes], *, verified: bool = False
+        self, digest: Digest, source: AsyncIterable[bytes], *, verified: bool = False, background: bool = False
     ) -> list[Digest]:
         """Receive, cut and store as a pipeline of three stages, one batch in each: while the event
         loop gathers batch N+2, batch N+1 is joined and hashed (the whole blob's hash and each
         chunk's name side by side in two worker threads) and batch N's new chunks are stored.
         Nothing heavy runs on the event loop; the list is written after the last chunk is stored.
-        `verified`: `source` is the stored blob, read back under its checksum; not hashed again."""
+        `verified`: `source` is the stored blob, read back under its checksum; not hashed again.
+        `background`: between batches, wait while large requests are served."""
         cutter = StreamCutter(self.params, digest.function)
         listed: list[Digest] = []
         cutting: asyncio.Task[None] | None = None
@@ -359,6 +391,8 @@ class ChunkedBlobStore(ForwardingBlobStore):
                     cutting = _started(cut_batch(parts, False))
                     parts, batched = [], 0
                     batch = self._batch_size()
+                    if background:
+                        await self._quiet.wait()
             if cutting is not None:
                 await cutting
             if received != digest.size_bytes:
@@ -454,9 +488,10 @@ class ChunkedBlobStore(ForwardingBlobStore):
 
     async def _convert_waiting(self) -> None:
         while self._waiting:
+            await self._quiet.wait()
             digest = next(iter(self._waiting))
             try:
-                await self._convert(digest)
+                await self._convert(digest, background=True)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the blob stays whole, served as it is
@@ -466,7 +501,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
                     self.backlog_bytes -= digest.size_bytes
         self._settled.set()
 
-    async def _convert(self, digest: Digest) -> list[Digest] | None:
+    async def _convert(self, digest: Digest, *, background: bool = False) -> list[Digest] | None:
         """Keep a blob stored whole as chunks (its list written before the whole copy is dropped);
         None if it is not stored. Concurrent conversions of one blob share the first one's work."""
         running = self._converting.get(digest)
@@ -484,7 +519,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
                     future.set_result(None)
                     return None
                 try:
-                    chunks = await self._write_chunked(digest, stream, verified=True)
+                    chunks = await self._write_chunked(digest, stream, verified=True, background=background)
                 finally:
                     await close_chunks(stream)
             # A blob under the threshold stays whole (SplitBlob of any blob is answered); one
