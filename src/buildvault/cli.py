@@ -308,10 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from buildvault.admin import healthcheck
 
         return healthcheck.run(settings.http_address)
-    from buildvault.server.heap_trim import limit_arenas
+    from buildvault.server.heap_trim import configure_malloc
 
     logs.configure(settings.log_level, fmt=settings.log_format)
-    limit_arenas()  # before any server thread exists
+    configure_malloc()  # before any server thread exists
     return asyncio.run(serve(settings))
 
 

@@ -161,6 +161,29 @@ async def test_a_spooled_download_of_several_batches_is_stored_whole_and_the_spo
         assert samples["buildvault_asset_downloaded_bytes_total"] == len(data)
 
 
+async def test_a_direct_download_of_many_reads_is_stored_whole_and_any_wrong_checksum_stores_nothing(
+    tmp_path, origin
+):
+    from buildvault.assets.origin import READ_BUFFER
+
+    data = random.randbytes(5 * READ_BUFFER + 4321)  # Content-Length and a sha256: straight into the store
+    origin.files["/big.bin"] = data
+    origin.files["/big-bad.bin"] = data
+    async with serve(tmp_path, asset_allow_hosts="127.0.0.1") as server:
+        both = f"{sri(data)} {sri(data, 'sha384')}"
+        answer = await server.fetch_blob([origin.url("/big.bin")], ("checksum.sri", both))
+        assert answer.blob_digest == digest(data)
+        assert await read(server.stubs, answer.blob_digest) == data
+    async with serve(tmp_path / "second", asset_allow_hosts="127.0.0.1") as server:  # an empty store
+        wrong = sri(data[:-1], "sha384")  # the sha256 matches, the sha384 does not
+        error = await failure(
+            server.fetch_blob([origin.url("/big-bad.bin")], ("checksum.sri", f"{sri(data)} {wrong}")),
+            grpc.StatusCode.NOT_FOUND,
+        )
+        assert wrong in error.details()
+        assert await missing(server.stubs, [digest(data)]) == {(digest(data).hash, len(data))}
+
+
 async def test_several_sri_values_and_algorithms_are_all_verified(tmp_path, origin):
     data = random.randbytes(50_000)
     origin.files["/s"] = data

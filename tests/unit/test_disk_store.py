@@ -321,6 +321,26 @@ async def test_enospc_becomes_storage_full_and_leaves_nothing(
     assert await read_all(storage, digest) == data
 
 
+@pytest.mark.usefixtures("files_only")
+async def test_large_pieces_are_written_unjoined_and_short_writes_resumed(
+    storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pieces_per_call: list[int] = []
+    writev = os.writev
+
+    def short_writev(fd: int, buffers: list[memoryview]) -> int:
+        pieces_per_call.append(len(buffers))
+        return writev(fd, [b"".join(buffers)[:100_000]])  # cut inside a piece or at its edge
+
+    data = os.urandom(3 * WRITE_BATCH + 1000)
+    digest = Digest.of(data)
+    monkeypatch.setattr(fileops.os, "writev", short_writev)
+    await storage.cas.write(digest, chunked(data, 256 * 1024))
+    monkeypatch.undo()
+    assert await read_all(storage, digest) == data
+    assert pieces_per_call and max(pieces_per_call) > 1, "the pieces of a batch were joined before being written"
+
+
 def test_a_streamed_read_asks_for_sequential_read_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     advised: list[tuple[int, int]] = []
     real = os.posix_fadvise

@@ -143,3 +143,37 @@ def _arenas(mode: str) -> int:
 def test_limit_arenas_caps_the_arenas_of_threads_started_after_it():
     assert _arenas("default") > 2  # glibc's default gives new threads arenas of their own
     assert _arenas("limit") <= 2
+
+
+# A stream of 1 MiB buffers, eight alive at once (like received pieces and write batches), then
+# the minor page faults of the same stream once warm: each is memory given back and touched again.
+_CHURN_PROBE = """
+import collections, os, resource, sys
+from buildvault.server.heap_trim import reuse_large_blocks
+if sys.argv[1] == "reuse":
+    assert reuse_large_blocks()
+held = collections.deque()
+def churn(count):
+    for i in range(count):
+        held.append(os.urandom((1 << 20) - i % 7 * 4096))
+        if len(held) > 8:
+            held.popleft()
+churn(64)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+churn(256)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _churn_faults(mode: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    done = subprocess.run(
+        [sys.executable, "-c", _CHURN_PROBE, mode], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+def test_reused_large_blocks_are_not_given_back_and_faulted_in_again():
+    assert _churn_faults("default") > 2000  # glibc's adaptive thresholds: 256 MiB churned, thousands of faults
+    assert _churn_faults("reuse") < 200

@@ -54,7 +54,10 @@ __all__ = [
 ]
 
 MAX_REDIRECTS = 5
-CHUNK = 1 << 20  # aiohttp's read size (it buffers up to twice this ahead of the store)
+CHUNK = 1 << 20  # the spool file's read size
+# aiohttp's buffer of a response body (it reads ahead up to twice this before pausing the socket),
+# and the size of one receive from the socket (asyncio's default: 256 KiB)
+READ_BUFFER = 1 << 20
 SPOOL_BATCH = 4 << 20  # bytes a worker thread writes and hashes into the spool file at once
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
@@ -199,6 +202,7 @@ class OriginFetcher:
                 auto_decompress=False,  # the bytes as served are what the checksum covers
                 trust_env=False,  # no proxy from the environment: the rules see the real origin
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout),
+                read_bufsize=READ_BUFFER,
             )
         return self._session
 
@@ -263,7 +267,9 @@ class OriginFetcher:
                     length = response.content_length
                     if length is not None and length > self.max_size:
                         raise TooLarge(f"{length} bytes is over --asset-max-size ({self.max_size})")
-                    return await self._store(response.content.iter_chunked(CHUNK), length, checksums, function)
+                    if length is None or length > READ_BUFFER:
+                        _receive_in_large_pieces(response)
+                    return await self._store(_pieces(response.content), length, checksums, function)
             except aiohttp.ClientConnectorError as e:
                 refusal = e.os_error if isinstance(e.os_error, Refused) else e.__cause__
                 if isinstance(refusal, Refused):
@@ -390,6 +396,24 @@ def _verify(checksums: Sequence[Checksum], computed: dict[str, bytes], skip: str
         if wanted and all(c.digest != digest for c in wanted):
             got = Checksum(algorithm, digest)
             raise ChecksumMismatch(f"checksum mismatch: expected {' or '.join(c.sri for c in wanted)}, got {got.sri}")
+
+
+def _receive_in_large_pieces(response: aiohttp.ClientResponse) -> None:
+    """Receive a large body in reads of READ_BUFFER: asyncio's socket transport reads at most its
+    `max_size` (256 KiB) per wakeup of the event loop, and a quarter of the wakeups took a quarter
+    off the loop's CPU time per byte (bench/notes/2026-12-06-asset-download.md). Only where that
+    attribute exists (a plain socket on asyncio's own loop); a TLS transport is left as it is."""
+    connection = response.connection
+    transport = connection.transport if connection is not None else None
+    if transport is not None and isinstance(getattr(transport, "max_size", None), int):
+        transport.max_size = max(transport.max_size, READ_BUFFER)  # type: ignore[attr-defined]
+
+
+async def _pieces(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body as received, piece by piece (no joining copies: `iter_chunked` joins its reads)."""
+    async for piece, _end_of_http_chunk in content.iter_chunks():
+        if piece:
+            yield piece
 
 
 async def _file_chunks(path: Path) -> AsyncIterator[bytes]:

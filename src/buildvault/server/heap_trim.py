@@ -17,10 +17,18 @@ asyncio objects expect to run.
 
 Where malloc_trim does not exist (a libc other than glibc), the task is not started.
 
-`limit_arenas()`, called before the server starts its threads, caps glibc at `ARENA_MAX` arenas
-(M_ARENA_MAX, as the MALLOC_ARENA_MAX variable would). Each arena keeps its own free memory and
-each thread its own cache, so fewer arenas leave less behind after a burst; interleaved, it also
-did not cost throughput (bench/RESULTS.md, "Memory after the load").
+`configure_malloc()`, called before the server starts its threads, sets glibc's malloc for the
+server; each setting is skipped where its MALLOC_* variable already chose:
+- at most `ARENA_MAX` arenas (M_ARENA_MAX). Each arena keeps its own free memory and each thread
+  its own cache, so fewer arenas leave less behind after a burst; interleaved, it also did not
+  cost throughput (bench/RESULTS.md, "Memory after the load");
+- large buffers reused, not mapped and unmapped each time: blocks under `MMAP_THRESHOLD` come from
+  the heap (M_MMAP_THRESHOLD), and free() gives the top of a heap back only past `TRIM_THRESHOLD`
+  (M_TRIM_THRESHOLD); this task gives back the rest. glibc's own defaults adapt (the mmap
+  threshold rises to the largest block freed, the trim threshold is twice it), and a stream of
+  1 MiB network reads and batches kept giving the top of the heap back and faulting it in again:
+  about a page fault per 4 KiB received, each a costly one on a virtual machine whose free pages
+  go back to the host (bench/notes/2026-12-06-asset-download.md).
 """
 
 from __future__ import annotations
@@ -36,12 +44,26 @@ from typing import Any
 
 from buildvault.server.background import cancel_and_wait
 
-__all__ = ["ARENA_MAX", "QUIET_SHARE", "TRIM_INTERVAL", "HeapTrimmer", "limit_arenas"]
+__all__ = [
+    "ARENA_MAX",
+    "MMAP_THRESHOLD",
+    "QUIET_SHARE",
+    "TRIM_INTERVAL",
+    "TRIM_THRESHOLD",
+    "HeapTrimmer",
+    "configure_malloc",
+    "limit_arenas",
+]
 
 TRIM_INTERVAL = 10.0  # seconds; a trim costs a few milliseconds of one worker thread
 QUIET_SHARE = 0.02  # of one core over an interval; an idle server uses well under it
 ARENA_MAX = 2
-_M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its adaptive threshold
+TRIM_THRESHOLD = 64 << 20  # about the streamed uploads' buffer budget (storage/disk/writes.py)
+# glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 log = logging.getLogger("buildvault.heap_trim")
 
@@ -57,13 +79,33 @@ def _glibc(name: str, *argtypes: Any) -> Callable[..., int] | None:
     return function  # type: ignore[no-any-return]
 
 
+def _mallopt(parameter: int, value: int, variable: str) -> bool:
+    """glibc's mallopt; False where there is none (not glibc) or where the `variable` of the
+    environment already chose."""
+    mallopt = _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+    if mallopt is None or variable in os.environ:
+        return False
+    return bool(mallopt(parameter, value))
+
+
 def limit_arenas(arenas: int = ARENA_MAX) -> bool:
     """Cap glibc's malloc arenas for threads started from now on; False where that is not possible
     (not glibc) or where MALLOC_ARENA_MAX already chose."""
-    mallopt = _glibc("mallopt", ctypes.c_int, ctypes.c_int)
-    if mallopt is None or "MALLOC_ARENA_MAX" in os.environ:
-        return False
-    return bool(mallopt(_M_ARENA_MAX, arenas))
+    return _mallopt(_M_ARENA_MAX, arenas, "MALLOC_ARENA_MAX")
+
+
+def reuse_large_blocks(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> bool:
+    """Blocks under `mmap_threshold` from the heap, and the top of a heap given back by free() only
+    past `trim_threshold` (the module docstring); False where not set (see `_mallopt`)."""
+    mapped = _mallopt(_M_MMAP_THRESHOLD, mmap_threshold, "MALLOC_MMAP_THRESHOLD_")
+    trimmed = _mallopt(_M_TRIM_THRESHOLD, trim_threshold, "MALLOC_TRIM_THRESHOLD_")
+    return mapped and trimmed
+
+
+def configure_malloc() -> None:
+    """The server's malloc settings (the module docstring): call before any server thread exists."""
+    limit_arenas()
+    reuse_large_blocks()
 
 
 class HeapTrimmer:

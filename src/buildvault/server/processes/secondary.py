@@ -36,7 +36,7 @@ from buildvault.server.auth import Auth, AuthStartupError
 from buildvault.server.grpc import MAX_MESSAGE_SIZE
 from buildvault.server.grpc.bytestream import Uploads
 from buildvault.server.grpc.listener import GrpcListener
-from buildvault.server.heap_trim import HeapTrimmer, limit_arenas
+from buildvault.server.heap_trim import HeapTrimmer, configure_malloc
 from buildvault.server.processes.relay import RelayedMetrics
 from buildvault.server.services import Services, StartupError
 from buildvault.storage.build import Secondary, open_store_stack
@@ -152,7 +152,7 @@ def main() -> int:
     _die_with_parent(int(config["parent"]))
     settings = load_settings(config["settings"], env={})
     logs.configure(settings.log_level, fmt=settings.log_format)
-    limit_arenas()  # before any server thread exists
+    configure_malloc()  # before any server thread exists
     return asyncio.run(serve(settings, config))
 
 

@@ -50,6 +50,12 @@ NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 # The extended attribute holding a blob file's fast checksum (fastsum.SIZE bytes).
 FAST_XATTR = "user.buildvault.xxh3"
 
+# Pieces one writev takes at most (the system's limit; POSIX guarantees 16).
+_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16)
+# A batch of pieces this large on average is hashed and written piece by piece (writev) instead
+# of being joined first; smaller ones are joined (one hash call instead of many short ones).
+_JOIN_BELOW = 64 << 10
+
 _temp_names = itertools.count()
 _TEMP_PREFIX = secrets.token_hex(6)
 
@@ -66,6 +72,20 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def writev_all(fd: int, parts: list[bytes]) -> None:
+    """os.writev of `parts` in order until done (no joined copy of them)."""
+    views = [memoryview(part) for part in parts if part]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        done = 0
+        while done < len(views) and written >= len(views[done]):
+            written -= len(views[done])
+            done += 1
+        views = views[done:]
+        if written:
+            views[0] = views[0][written:]
 
 
 def unlink_quiet(path: str) -> None:
@@ -343,26 +363,33 @@ class TempFile:
         self.checksum = checksum
 
     def write(self, parts: list[bytes]) -> None:
-        data = self.digest_part(parts)
-        self.append(data)
+        self.append(self.digest_part(parts))
 
-    def digest_part(self, parts: list[bytes]) -> bytes:
-        """Join and hash the next part (never touches the file: may run beside `append`)."""
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        if self.hasher is not None and data:
-            self.hasher.update(data)
+    def digest_part(self, parts: list[bytes]) -> list[bytes]:
+        """Hash the next part, given as pieces; return the pieces to `append` (never touches the
+        file: may run beside `append`). Large pieces are hashed one by one, never joined (a
+        copy); small ones are joined first (one hash call each)."""
+        if len(parts) > 1 and sum(map(len, parts)) < _JOIN_BELOW * len(parts):
+            parts = [b"".join(parts)]
+        if self.hasher is not None:
             assert self.fast is not None
-            self.fast.update(data)
-        return data
+            for part in parts:
+                if part:
+                    self.hasher.update(part)
+                    self.fast.update(part)
+        return parts
 
-    def append(self, data: bytes) -> None:
-        """Write the next part (never touches the hasher: may run beside `digest_part`)."""
+    def append(self, parts: list[bytes]) -> None:
+        """Write the next part, given as pieces (never touches the hasher: may run beside `digest_part`)."""
         if self.fd is None:
             path = os.path.join(self.directory, secrets.token_hex(12) + ".tmp")
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             self.path = path
-        if data:
-            write_all(self.fd, data)
+        if len(parts) == 1:
+            if parts[0]:
+                write_all(self.fd, parts[0])
+        elif parts:
+            writev_all(self.fd, parts)
 
     def finish(self, parts: list[bytes], sync: bool = False) -> str | None:
         """Write the rest, close (fsync first if `sync`); return the hex digest."""

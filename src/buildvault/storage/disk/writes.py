@@ -273,7 +273,7 @@ class Writer:
         temp = fileops.TempFile(self.core.layout.tmp_dir, hasher, checksum)
         # A pipeline of two workers: batch N is hashed while batch N-1 is written (each about
         # as costly as the other), while the event loop receives batch N+1.
-        hashed: concurrent.futures.Future[Any] | None = None  # -> the joined bytes of the batch
+        hashed: concurrent.futures.Future[Any] | None = None  # -> the batch's pieces, to write
         written: concurrent.futures.Future[Any] | None = None
         pending: concurrent.futures.Future[Any] | None = None
         self.receiving += 1
@@ -297,7 +297,7 @@ class Writer:
                             if written is not None:
                                 await _wait_io(written, what)
                             written = executor.submit(temp.append, data)
-                            data = b""  # the write holds the batch until it is done, then nothing does
+                            data = []  # the write holds the batch until it is done, then nothing does
                         hashed = executor.submit(temp.digest_part, parts)
                         parts, buffered = [], 0
                 if total != size:
@@ -323,7 +323,7 @@ class Writer:
             # The traceback keeps this frame, and an abandoned upload's objects form a cycle that
             # may wait long for the garbage collector: hold none of its batches (about 1 MiB each).
             pending = hashed = written = None
-            parts, data = [], b""
+            parts, data = [], []
             raise
         finally:
             self.receiving -= 1
