@@ -15,6 +15,9 @@
    RSS sampling, stops it and deletes the data.
 3. Times a warm Bazel build (all cache hits) through buildvault, through BuildGrid and with
    Bazel's own --disk_cache (bench/bazel_warm.py), rotated the same way.
+   The harness runs with --client-warm unless --no-client-warm (its receive at its steady-state
+   cost: see bench/harness.py); with --pin every server (and all it starts) runs on CPU 0 and
+   the harness on CPU 1, the same for every server, so neither takes the other's core.
 4. Writes medians, min-max and the buildvault/BuildGrid ratio against each BuildGrid per
    scenario, with the targets (met or not against 0.9.x, the current release), the exact
    command and the machine (cores, RAM, CPU model; no host names or paths), to
@@ -141,14 +144,19 @@ def find_python313(explicit: str | None) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def start(name: str, data_dir: Path, log_path: Path, bucket: bool = False) -> servers.Server:
+SERVER_CPUS, HARNESS_CPUS = {0}, {1}  # --pin
+
+
+def start(
+    name: str, data_dir: Path, log_path: Path, bucket: bool = False, cpus: set[int] | None = None
+) -> servers.Server:
     if name == "buildvault" and bucket:
-        return servers.start_buildvault_on_bucket(data_dir, log_path)
+        return servers.start_buildvault_on_bucket(data_dir, log_path, cpus=cpus)
     if name == "buildvault":
-        return servers.start_buildvault(data_dir, log_path)
+        return servers.start_buildvault(data_dir, log_path, cpus=cpus)
     if name == "buildgrid-0.9":
-        return servers.start_buildgrid_09(data_dir, log_path)
-    return servers.start_buildgrid(data_dir, log_path)
+        return servers.start_buildgrid_09(data_dir, log_path, cpus=cpus)
+    return servers.start_buildgrid(data_dir, log_path, cpus=cpus)
 
 
 def run_harness(server: servers.Server, args: argparse.Namespace, out: Path, log_path: Path) -> dict[str, Any]:
@@ -160,9 +168,12 @@ def run_harness(server: servers.Server, args: argparse.Namespace, out: Path, log
         argv.append("--quick")
     if args.scenarios:
         argv += ["--scenarios", args.scenarios]
+    if args.client_warm:
+        argv.append("--client-warm")
     started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as handle:
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                                   preexec_fn=servers.pinned(HARNESS_CPUS if args.pin else None))  # fmt: skip
         assert process.stdout is not None
         for line in process.stdout:
             handle.write(line)
@@ -284,6 +295,38 @@ def verdict(scenario: str, entry: dict[str, Any], peer: str) -> tuple[str, str]:
     return "", ""
 
 
+def cpu_table(
+    order: list[str], table: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, Any]]], names: list[str]
+) -> list[str]:
+    """CPU ms per operation of each server's process tree and of the harness, medians over the runs."""
+    per: dict[tuple[str, str, str], list[float]] = {}
+    for name in names:
+        for document in runs[name]:
+            for row in document.get("results", []):
+                for key in ("server_cpu_us_per_op", "client_cpu_us_per_op"):
+                    value = (row.get("detail") or {}).get(key)
+                    if row.get("ok") and isinstance(value, (int, float)):
+                        per.setdefault((row["scenario"], name, key), []).append(value / 1000)
+    rows = [s for s in order if any((s, n, "server_cpu_us_per_op") in per for n in names)]
+    if not rows:
+        return []
+    lines = [
+        "CPU per operation, ms (median over runs): the server's process tree / the harness. A throughput",
+        "whose harness CPU is near the wall time per operation measures the client, not the server.",
+        "",
+        "| scenario | " + " | ".join(f"{n} server / harness" for n in names) + " |",
+        "| --- |" + " ---: |" * len(names),
+    ]
+    for scenario in rows:
+        cells = []
+        for name in names:
+            server = stats(per.get((scenario, name, "server_cpu_us_per_op"), []))[0]
+            client = stats(per.get((scenario, name, "client_cpu_us_per_op"), []))[0]
+            cells.append(f"{fmt(server, 2)} / {fmt(client, 2)}")
+        lines.append(f"| {scenario} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def span(values: tuple[float | None, float | None, float | None], digits: int = 1) -> str:
     """median (min–max)"""
     return f"{fmt(values[0], digits)} ({fmt(values[1], digits)}–{fmt(values[2], digits)})"
@@ -324,6 +367,10 @@ def write_report(
         + ("; buildvault with the object-store tier on (moto_server on loopback)" if args.bucket else "")
         + (f"; scenarios: `{args.scenarios}`" if args.scenarios else ""),
         "- machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
+        "- client: " + ("--client-warm (memory kept, each ByteStream blob read once untimed first)"
+                        if args.client_warm else "cold (--no-client-warm)")
+        + ("; CPUs pinned: every server on CPU 0, the harness on CPU 1 (--pin)" if args.pin
+           else "; CPUs not pinned (servers and harness share both cores)"),
         "",
         "## REAPI scenarios",
         "",
@@ -343,7 +390,7 @@ def write_report(
     errors = [e for s in order for e in table[s]["errors"]]
     failed_runs = [f"{name} run {i + 1}: exit {d.get('exit_code')}" for name in names
                    for i, d in enumerate(runs[name]) if d.get("exit_code") != 0]
-    lines += [""]
+    lines += [""] + cpu_table(order, table, runs, names)
     if errors or failed_runs:
         lines += ["**Failures** (the comparison exits 1):", ""] + [f"- {e}" for e in failed_runs + errors] + [""]
     else:
@@ -467,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bazel", action="store_true", help="skip the warm Bazel build figure")
     parser.add_argument("--bucket", action="store_true",
                         help="buildvault with the object-store tier on (the S3 test server on loopback)")  # fmt: skip
+    parser.add_argument("--no-client-warm", dest="client_warm", action="store_false",
+                        help="run the harness without --client-warm (a cold client: first-touch memory)")  # fmt: skip
+    parser.add_argument("--pin", action="store_true",
+                        help="every server (and what it starts) on CPU 0, the harness on CPU 1")  # fmt: skip
     parser.add_argument("--bazel-libs", type=int, default=60, help="generated libraries in the Bazel build")
     parser.add_argument("--bazel-reps", type=int, default=5, help="timed warm builds per backend")
     parser.add_argument("--peers", default=",".join(PEERS),
@@ -483,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not peers:
         parser.error(f"--peers takes one or more of {', '.join(PEERS)}; got {args.peers!r}")
     names = ["buildvault", *peers]
+    if args.pin and not os.sched_getaffinity(0) >= (SERVER_CPUS | HARNESS_CPUS):
+        parser.error(f"--pin needs CPUs {sorted(SERVER_CPUS | HARNESS_CPUS)}; this process may use "
+                     f"{sorted(os.sched_getaffinity(0))}")  # fmt: skip
 
     started_at = time.monotonic()
     command = " ".join(
@@ -519,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 log(f"repetition {rep + 1}/{args.reps}: {name}")
                 data = workdir / f"{name}-{rep}"
-                server = start(name, data, workdir / f"{name}-{rep}.log", bucket=args.bucket)
+                server = start(name, data, workdir / f"{name}-{rep}.log", bucket=args.bucket,
+                               cpus=SERVER_CPUS if args.pin else None)  # fmt: skip
                 try:
                     runs[name].append(
                         run_harness(server, args, workdir / f"{name}-{rep}.json", workdir / f"{name}-{rep}.out")

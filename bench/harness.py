@@ -21,12 +21,22 @@ machine's speed swings, since the harness does the same work against every serve
 
 --quick shrinks every size and count so the whole run takes seconds: the protocol-regression
 mode used by tests/bench/test_quick_bench.py.
+
+--client-warm (bench/compare.py passes it by default) makes the client's receive cost what it
+costs in steady state, the same for every server: glibc keeps the memory the client frees
+(`keep_memory`: no trimming, buffers up to 32 MiB from the heap) and each ByteStream blob is read
+once untimed, and verified, before its timed read. Without it a 512 MiB read is the process's
+first touch of 512 MiB: the page faults cost the client more CPU than either server spends
+serving the read, and the client, not the server, bounds the figure (bench/notes/
+2026-12-06-reads-vs-buildgrid.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import fnmatch
 import hashlib
 import json
@@ -272,6 +282,19 @@ def memory_kib(pid: int) -> tuple[int, int, int]:
     return fields["VmRSS:"], fields["RssFile:"], fields["VmHWM:"]
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+
+
+def keep_memory() -> None:
+    """glibc: serve allocations up to 32 MiB (its largest mmap threshold) from the heap and never
+    give freed heap memory back, so buffers freed after one read are reused, already faulted in,
+    by the next. Fails (SystemExit) where that cannot be set: the figures would mean another thing."""
+    name = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None) if name else None
+    if mallopt is None or not (mallopt(M_MMAP_THRESHOLD, 32 * MiB) and mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)):
+        raise SystemExit("harness: --client-warm needs glibc's mallopt")
+
+
 def cpu_seconds(pid: int | None) -> float:
     """User + system CPU time of a process so far, seconds (0.0 when unknown or gone): wall time
     lies on a busy machine."""
@@ -393,6 +416,7 @@ class Client:
     ) -> None:
         self.target = target
         self.instance = instance
+        self.warm = False  # bs_read: one untimed read of each blob first (--client-warm)
         self.timeout = rpc_timeout
         self.prefix = f"{instance}/" if instance else ""
         options = [
@@ -536,8 +560,9 @@ class Client:
         chunks: list[bytes] = []
         largest = 0
         async for response in self.bytestream.Read(bs_pb2.ReadRequest(resource_name=name), timeout=self.timeout):
-            chunks.append(response.data)
-            largest = max(largest, len(response.data))
+            data = response.data  # once: each access of a bytes field copies it out of the message
+            chunks.append(data)
+            largest = max(largest, len(data))
         return chunks, largest
 
     async def update_action(self, action: re_pb2.Digest, result: re_pb2.ActionResult) -> None:
@@ -615,6 +640,7 @@ def finish(result: Result, timing: Timing) -> Result:
         server, client = cpu
         if result.ops:
             result.detail["server_cpu_us_per_op"] = round(server / result.ops * 1e6, 1)
+            result.detail["client_cpu_us_per_op"] = round(client / result.ops * 1e6, 1)
         if client > 0:
             result.detail["server_per_client_cpu"] = round(server / client, 3)
     return result
@@ -773,6 +799,10 @@ def make_bs_read(size_index: int, plan: Plan) -> Scenario:
         largest_chunk = 0
         CPU.take()  # the uploads above are not part of the reads
         for blob, digest in stored:  # one at a time: verification stays off the clock
+            if client.warm:  # untimed: the client's memory for this read faulted in (--client-warm)
+                chunks, _ = await client.bs_read(digest)
+                verify_chunks(chunks, blob, f"ByteStream.Read {digest.hash[:12]} (untimed)")
+                del chunks
             CPU.start(add=True)
             start = time.perf_counter()
             chunks, largest = await client.bs_read(digest)
@@ -1033,8 +1063,11 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.seed is not None:
         random.seed(args.seed)
 
+    if args.client_warm:
+        keep_memory()
     client = Client(args.target, args.instance, args.rpc_timeout, args.authorization, args.channels,
                     args.request_metadata)  # fmt: skip
+    client.warm = args.client_warm
     try:
         capabilities = await wait_ready(client, args.wait)
     except grpc.aio.AioRpcError as exc:
@@ -1172,6 +1205,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--channels", type=int, default=1, help="connections, calls spread over them in turn (default %(default)s)"
     )
+    parser.add_argument(
+        "--client-warm", action="store_true",
+        help="keep freed memory (glibc mallopt) and read each ByteStream blob once untimed before its timed read",
+    )  # fmt: skip
     parser.add_argument("--request-metadata", action="store_true",
                         help="send Bazel's requestmetadata-bin on every call (the history records it)")  # fmt: skip
     return parser.parse_args(argv)

@@ -1,7 +1,8 @@
 """Start and stop the servers the benchmarks compare: buildvault and BuildGrid, on loopback.
 
 Each server runs in its own session (process group) with its log in a file; `stop()` ends
-exactly the process group it started. Used by bench/compare.py, bench/bazel_warm.py and
+exactly the process group it started. `cpus` (bench/compare.py --pin) confines a server and every
+process and thread it starts to those CPUs. Used by bench/compare.py, bench/bazel_warm.py and
 tests/bench/test_quick_bench.py.
 """
 
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,12 +61,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _spawn(argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A Popen preexec_fn that confines the child (and all it starts) to `cpus`; None: no limit."""
+    if not cpus:
+        return None
+    chosen = set(cpus)
+    return lambda: os.sched_setaffinity(0, chosen)
+
+
+def _spawn(
+    argv: list[str], log_path: Path, cwd: Path, env: dict[str, str] | None = None, cpus: set[int] | None = None
+) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         return subprocess.Popen(
             argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, env=env,
+            start_new_session=True, env=env, preexec_fn=pinned(cpus),
         )
 
 
@@ -76,7 +88,8 @@ def buildvault_command() -> list[str]:
 
 
 def start_buildvault(
-    data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0
+    data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0,
+    cpus: set[int] | None = None,
 ) -> Server:
     """`buildvault serve --grpc-address 127.0.0.1:0 --http-address '' --dir D --max-size 20GiB`.
 
@@ -87,7 +100,7 @@ def start_buildvault(
         "serve", "--grpc-address", "127.0.0.1:0", "--http-address", "", "--dir", str(data_dir),
         "--max-size", "20GiB", *(extra or []),
     ]
-    process = _spawn(argv, log_path, ROOT)
+    process = _spawn(argv, log_path, ROOT, cpus=cpus)
     server = Server("buildvault", "", process, log_path, data_dir)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -128,7 +141,8 @@ S3_ENV = {
 
 
 def start_buildvault_on_bucket(
-    data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0
+    data_dir: Path, log_path: Path, extra: list[str] | None = None, timeout: float = 60.0,
+    cpus: set[int] | None = None,
 ) -> Server:
     """buildvault with the object-store tier on: `moto_server` (the S3 test server) on loopback,
     one fresh bucket, and `start_buildvault` pointed at it. stop() ends both."""
@@ -137,7 +151,7 @@ def start_buildvault_on_bucket(
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     moto = _spawn([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                  log_path.with_suffix(".moto.log"), ROOT, env={**os.environ, **S3_ENV})  # fmt: skip
+                  log_path.with_suffix(".moto.log"), ROOT, env={**os.environ, **S3_ENV}, cpus=cpus)  # fmt: skip
     session = boto3.session.Session(region_name="us-east-1", aws_access_key_id="bench", aws_secret_access_key="bench")
     client = session.client("s3", endpoint_url=endpoint)
     deadline = time.monotonic() + timeout
@@ -156,7 +170,7 @@ def start_buildvault_on_bucket(
         server = start_buildvault(
             data_dir, log_path,
             ["--s3-endpoint", endpoint, "--s3-bucket", "bench", "--s3-region", "us-east-1", *(extra or [])],
-            timeout=timeout,
+            timeout=timeout, cpus=cpus,
         )
     except BaseException:
         moto.kill()
@@ -223,7 +237,7 @@ def buildgrid_bgd(venv: Path = BUILDGRID_VENV) -> Path:
 
 def start_buildgrid(
     data_dir: Path, log_path: Path, venv: Path = BUILDGRID_VENV, timeout: float = 60.0, line: str = "0.4",
-    name: str = "buildgrid",
+    name: str = "buildgrid", cpus: set[int] | None = None,
 ) -> Server:
     bgd = buildgrid_bgd(venv)
     if not bgd.exists():
@@ -233,7 +247,7 @@ def start_buildgrid(
     address = f"127.0.0.1:{free_port()}"
     config = data_dir / "buildgrid.yml"
     config.write_text(buildgrid_config(address, data_dir, line), encoding="utf-8")
-    process = _spawn([str(bgd), "server", "start", str(config)], log_path, data_dir)
+    process = _spawn([str(bgd), "server", "start", str(config)], log_path, data_dir, cpus=cpus)
     server = Server(name, address, process, log_path, data_dir)
     try:
         wait_grpc_ready(address, timeout, process)
@@ -243,9 +257,11 @@ def start_buildgrid(
     return server
 
 
-def start_buildgrid_09(data_dir: Path, log_path: Path, timeout: float = 60.0) -> Server:
+def start_buildgrid_09(
+    data_dir: Path, log_path: Path, timeout: float = 60.0, cpus: set[int] | None = None
+) -> Server:
     """BuildGrid 0.9.x from its own venv (bench/compare.py makes it with a Python 3.13)."""
-    return start_buildgrid(data_dir, log_path, BUILDGRID_09_VENV, timeout, line="0.9", name="buildgrid-0.9")
+    return start_buildgrid(data_dir, log_path, BUILDGRID_09_VENV, timeout, line="0.9", name="buildgrid-0.9", cpus=cpus)
 
 
 def wait_grpc_ready(address: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:

@@ -137,3 +137,37 @@ def test_harness_accepts_any_order_of_missing_digests() -> None:
     with fake_cas(ReorderingCas()) as target:
         proc = run_harness("--target", target, "--quick", "--scenarios", "fmb_*", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_client_warm_reads_verified_and_client_cpu_reported(tmp_path: Path) -> None:
+    """--client-warm (bench/compare.py's default): the ByteStream reads still pass their byte-for-byte
+    check, and each reports the harness's CPU per read beside the server's."""
+    with ServerProcess(tmp_path / "data", http_address="") as server:
+        proc = run_harness(
+            "--target", server.grpc_address, "--quick", "--server-pid", str(server.pid),
+            "--scenarios", "bs_read_*", "--client-warm",
+        )
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    reads = [row for row in json_rows(proc) if row["scenario"].startswith("bs_read_")]
+    assert [row["scenario"] for row in reads] == [
+        f"bs_read_{harness.size_label(size)}" for size in harness.QUICK.bs_sizes
+    ]
+    for row in reads:
+        assert row["ok"] and row["value"] > 0, row
+        assert row["detail"]["client_cpu_us_per_op"] > 0, row
+
+
+def test_pinned_server_runs_only_on_its_cpus(tmp_path: Path) -> None:
+    """bench/compare.py --pin: every thread of the server (started after the pin) is confined."""
+    from bench import servers
+
+    server = servers.start_buildvault(tmp_path / "data", tmp_path / "server.log", cpus={0})
+    try:
+        tasks = list(Path(f"/proc/{server.pid}/task").iterdir())
+        assert len(tasks) > 1  # the event loop and gRPC's own threads
+        for task in tasks:
+            status = (task / "status").read_text()
+            allowed = next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list:"))
+            assert allowed == "0", (task.name, allowed)
+    finally:
+        servers.stop(server)
