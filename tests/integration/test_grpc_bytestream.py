@@ -25,6 +25,7 @@ from reapi_client import (
 )
 
 from buildvault.remote_apis import bs_pb2
+from buildvault.server.grpc import READ_CHUNK_SIZE
 from buildvault.server.grpc.bytestream import read_response
 
 MiB = 1 << 20
@@ -41,24 +42,28 @@ async def test_write_read_roundtrip(stubs, size, chunk):
     assert await missing(stubs, [digest(data)]) == set()
 
 
-async def test_read_chunks_at_most_1mib(stubs):
-    data = blob(3 * MiB + 17)
+async def test_read_messages_fit_a_default_client(stubs):
+    """Every ReadResponse, framed, stays under the 4 MiB inbound limit gRPC clients have by default."""
+    data = blob(3 * READ_CHUNK_SIZE + 17)
     await write(stubs, data, chunk=MiB)
     request = bs_pb2.ReadRequest(resource_name=read_name(digest(data)))
-    sizes = [len(r.data) async for r in stubs.bytestream.Read(request)]
-    assert max(sizes) <= MiB and sum(sizes) == len(data)
+    sizes = [r.ByteSize() async for r in stubs.bytestream.Read(request)]
+    assert len(sizes) == 4 and max(sizes) < 4 * MiB
+    assert sum(sizes) > len(data)  # framed sizes: the data and each message's few header bytes
 
 
 @pytest.mark.parametrize("offset", [0, 1000])
-async def test_every_read_message_but_the_last_is_1mib(stubs, offset):
+async def test_every_read_message_but_the_last_is_full(stubs, offset):
     """Whatever pieces the store yields (a blob kept as chunks, the server's default from 2 MiB:
-    chunks of 128 KiB to 2 MiB), every message but the last carries 1 MiB."""
+    chunks of 128 KiB to 2 MiB), every message but the last carries READ_CHUNK_SIZE bytes."""
     data = blob(9 * MiB + 5)
     await write(stubs, data, chunk=MiB)
     request = bs_pb2.ReadRequest(resource_name=read_name(digest(data)), read_offset=offset)
     pieces = [r.data async for r in stubs.bytestream.Read(request)]
     assert b"".join(pieces) == data[offset:]
-    assert [len(p) for p in pieces[:-1]] == [MiB] * (len(pieces) - 1) and 0 < len(pieces[-1]) <= MiB
+    assert len(pieces) > 2
+    assert [len(p) for p in pieces[:-1]] == [READ_CHUNK_SIZE] * (len(pieces) - 1)
+    assert 0 < len(pieces[-1]) <= READ_CHUNK_SIZE
 
 
 async def test_read_offset_and_limit(stubs):
