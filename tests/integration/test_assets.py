@@ -184,6 +184,30 @@ async def test_a_direct_download_of_many_reads_is_stored_whole_and_any_wrong_che
         assert await missing(server.stubs, [digest(data)]) == {(digest(data).hash, len(data))}
 
 
+async def test_a_spooled_download_with_a_sha256_checksum_hashes_it_once(tmp_path, origin, monkeypatch):
+    from buildvault.assets import origin as origin_module
+
+    extra: list[object] = []
+
+    def counted(function):
+        extra.append(function)
+        return real(function)
+
+    real = origin_module.new_hasher
+    monkeypatch.setattr(origin_module, "new_hasher", counted)
+    data = random.randbytes(300_000)
+    origin.files["/nolength.bin"] = data
+    origin.chunked.add("/nolength.bin")  # through the spool file
+    async with serve(tmp_path, asset_allow_hosts="127.0.0.1") as server:
+        answer = await server.fetch_blob([origin.url("/nolength.bin")], ("checksum.sri", sri(data)))
+        assert answer.blob_digest == digest(data) and await read(server.stubs, answer.blob_digest) == data
+        assert extra == [], "the CAS digest was hashed beside the sha256 checksum, not shared with it"
+        origin.files["/other.bin"] = data[:1000]
+        origin.chunked.add("/other.bin")
+        await server.fetch_blob([origin.url("/other.bin")], ("checksum.sri", sri(data[:1000], "sha384")))
+        assert len(extra) == 1  # no sha256 among the checksums: the digest needs its own hasher
+
+
 async def test_several_sri_values_and_algorithms_are_all_verified(tmp_path, origin):
     data = random.randbytes(50_000)
     origin.files["/s"] = data

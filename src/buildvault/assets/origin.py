@@ -335,7 +335,9 @@ class OriginFetcher:
         the body in batches of `SPOOL_BATCH`, each written and hashed by a worker thread while
         the next one is received (one batch in flight: memory stays about two batches)."""
         hashers: dict[str, Any] = {c.algorithm: hashlib.new(c.algorithm) for c in checksums}
-        own = new_hasher(function)
+        # The CAS digest, shared with a sha256 checksum when it is SHA-256 too (hashed once).
+        own = hashers["sha256"] if function is DigestFunction.SHA256 and "sha256" in hashers else new_hasher(function)
+        others = [hasher for hasher in hashers.values() if hasher is not own]
         fd, name = tempfile.mkstemp(prefix="download-", dir=self.spool_dir)
         path = Path(name)
         received = 0
@@ -348,7 +350,7 @@ class OriginFetcher:
                     for part in parts:
                         spool.write(part)
                         own.update(part)
-                        for hasher in hashers.values():
+                        for hasher in others:
                             hasher.update(part)
 
                 async def flush(parts: list[bytes]) -> None:
