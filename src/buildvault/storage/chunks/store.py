@@ -23,8 +23,9 @@ dropped; storage/build.py), a large blob is stored whole, verified as any blob i
 a background task then cuts the stored copy (read back under its fast checksum: no second
 SHA-256 of the whole), stores its chunks, writes the list and only then discards the whole copy.
 A crash leaves the whole copy, the list, or both (reads prefer the list; a whole copy no longer
-read goes with the LRU). One conversion runs at a time, and only while no large read or write is
-in progress (it pauses between batches when one starts): it takes the CPU the requests leave.
+read goes with the LRU). One conversion runs at a time, and only while the store is idle (no
+large read or write in progress, no call for IDLE_AFTER): it pauses between batches when a
+request comes, taking only the CPU the requests leave.
 While the whole copies waiting exceed `backlog` bytes (0: always), blobs are cut as they arrive.
 """
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -62,6 +64,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = ac_namespace("", "chunks")
 DEFAULT_THRESHOLD = Settings.chunking_threshold
 DEFAULT_BACKLOG = Settings.chunking_backlog
+# The background conversion waits until the store has had no call for this long.
+IDLE_AFTER = 0.1
 CONVERTER_TASK = "chunking after the write"  # the background task's name (bench/walks.py leaves it out)
 # A SpliceBlob naming more chunks than this is refused (a blob of 100,000 tiny chunks would
 # cost a store call per chunk for no dedup).
@@ -127,11 +131,13 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self._converter: asyncio.Task[None] | None = None
         self._settled = asyncio.Event()
         self._settled.set()
-        # Large reads and writes in progress: the conversion waits until there are none (it takes
-        # the CPU the requests leave; the backlog bound keeps the whole copies from piling up).
+        # The conversion runs only while the store is idle: no large read or write in progress and
+        # no call for IDLE_AFTER seconds (it takes the CPU requests leave; the backlog bound keeps
+        # the whole copies from piling up under steady traffic).
         self._foreground = 0
         self._quiet = asyncio.Event()
         self._quiet.set()
+        self._last_call = 0.0
 
     def stats(self) -> dict[str, float]:
         """Since this process started: bytes of blobs kept chunked, the chunk bytes they added."""
@@ -147,6 +153,15 @@ class ChunkedBlobStore(ForwardingBlobStore):
     def _enter(self) -> None:
         self._foreground += 1
         self._quiet.clear()
+
+    async def _idle(self) -> None:
+        """Return once the store is idle (see `_foreground`), for the background conversion."""
+        while True:
+            await self._quiet.wait()
+            wait = self._last_call + IDLE_AFTER - time.monotonic()
+            if wait <= 0 and not self._foreground:
+                return
+            await asyncio.sleep(max(wait, 0.0))
 
     def _leave(self) -> None:
         self._foreground -= 1
@@ -211,6 +226,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
     # -- the BlobStore protocol ----------------------------------------------------------------
 
     async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        self._last_call = time.monotonic()
         missing = await self.inner.find_missing(digests)
         if not any(d.size_bytes >= self.threshold for d in missing):
             return missing
@@ -219,6 +235,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
     async def find_missing_indices(
         self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
     ) -> list[int]:
+        self._last_call = time.monotonic()
         missing = await self.inner.find_missing_indices(function, hashes, sizes)
         threshold = self.threshold
         if not any(sizes[i] >= threshold for i in missing):
@@ -230,6 +247,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         ]
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
+        self._last_call = time.monotonic()
         if digest.size_bytes < self.threshold:
             return await self.inner.read(digest, offset, limit)
         chunks = await self._complete_list(digest)
@@ -290,11 +308,13 @@ class ChunkedBlobStore(ForwardingBlobStore):
                     yield found[at : at + CHUNK_SIZE]
 
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        self._last_call = time.monotonic()
         if all(d.size_bytes < self.threshold for d in digests):
             return await self.inner.read_blobs(digests)
         return await read_blobs_one_by_one(self, digests)
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        self._last_call = time.monotonic()
         if digest.size_bytes < self.threshold or not self.chunk_writes:
             await self.inner.write(digest, chunks)
             return
@@ -309,6 +329,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self._convert_later(digest)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        self._last_call = time.monotonic()
         if not self.chunk_writes or all(d.size_bytes < self.threshold for d, _ in items):
             return await self.inner.write_blobs(items)
         return await write_blobs_one_by_one(self, items)
@@ -392,7 +413,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
                     parts, batched = [], 0
                     batch = self._batch_size()
                     if background:
-                        await self._quiet.wait()
+                        await self._idle()
             if cutting is not None:
                 await cutting
             if received != digest.size_bytes:
@@ -488,7 +509,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
 
     async def _convert_waiting(self) -> None:
         while self._waiting:
-            await self._quiet.wait()
+            await self._idle()
             digest = next(iter(self._waiting))
             try:
                 await self._convert(digest, background=True)
