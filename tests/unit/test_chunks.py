@@ -4,6 +4,7 @@ chunked store's dedup, SplitBlob and SpliceBlob rules over the memory and disk s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import random
@@ -395,101 +396,93 @@ def whole_file(root: Path, digest: Digest) -> Path:
     return root / "cas" / "sha256" / digest.hash[:2] / f"{digest.hash}-{digest.size_bytes}"
 
 
+@contextlib.asynccontextmanager
+async def converting_store(root: Path, **options: int) -> AsyncIterator[tuple[DiskStorage, ChunkedBlobStore]]:
+    """A disk store under a chunk store that chunks after the write (given `discard`)."""
+    async with await DiskStorage.open(root, 1 << 30) as storage:
+        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard, **options)
+        try:
+            yield storage, store
+        finally:
+            await store.aclose()
+
+
 async def test_chunked_after_the_write_the_whole_copy_goes_once_the_list_is_written(tmp_path: Path) -> None:
     """With `discard` (the disk tier alone) a write stores the blob whole and answers; the
     background conversion writes its chunks and list, then drops the whole copy."""
     data = random.Random(21).randbytes(200_000)
     digest = Digest.of(data)
-    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
-        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard)
-        try:
-            await store.write(digest, pieces_of(data, [1000] * 50))
-            assert store.stats()["backlog_bytes"] in (0, len(data))
-            await store.settled()
-            assert store.stats()["backlog_blobs"] == store.stats()["backlog_bytes"] == 0
-            chunks = await store.chunk_list(digest)
-            assert chunks is not None and len(chunks) > 4
-            assert not whole_file(tmp_path / "store", digest).exists()
-            assert await storage.cas.find_missing(chunks) == []
-            assert await store.find_missing([digest]) == []
-            assert await read_all(store, digest) == data
-            assert await read_all(store, digest, 12_345, 60_000) == data[12_345:72_345]
-            assert store.stats()["logical_bytes"] == len(data)
-        finally:
-            await store.aclose()
+    async with converting_store(tmp_path / "store") as (storage, store):
+        await store.write(digest, pieces_of(data, [1000] * 50))
+        assert store.stats()["backlog_bytes"] in (0, len(data))
+        await store.settled()
+        assert store.stats()["backlog_blobs"] == store.stats()["backlog_bytes"] == 0
+        chunks = await store.chunk_list(digest)
+        assert chunks is not None and len(chunks) > 4
+        assert not whole_file(tmp_path / "store", digest).exists()
+        assert await storage.cas.find_missing(chunks) == []
+        assert await store.find_missing([digest]) == []
+        assert await read_all(store, digest) == data
+        assert await read_all(store, digest, 12_345, 60_000) == data[12_345:72_345]
+        assert store.stats()["logical_bytes"] == len(data)
 
 
 async def test_a_read_begun_on_the_whole_copy_survives_its_conversion(tmp_path: Path) -> None:
     data = random.Random(22).randbytes(3 << 20)
     digest = Digest.of(data)
-    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
-        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard)
-        try:
-            await store.write(digest, single_chunk(data))
-            stream = await store.read(digest)  # the whole copy, unless already converted
-            await store.settled()
-            assert not whole_file(tmp_path / "store", digest).exists()
-            got = b"".join([piece async for piece in stream])
-            assert got == data
-        finally:
-            await store.aclose()
+    async with converting_store(tmp_path / "store") as (storage, store):
+        await store.write(digest, single_chunk(data))
+        stream = await store.read(digest)  # the whole copy, unless already converted
+        await store.settled()
+        assert not whole_file(tmp_path / "store", digest).exists()
+        got = b"".join([piece async for piece in stream])
+        assert got == data
 
 
 async def test_split_of_a_blob_waiting_to_be_chunked_converts_it_once(tmp_path: Path) -> None:
     data = random.Random(23).randbytes(300_000)
     digest = Digest.of(data)
-    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
-        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard)
-        try:
-            await store.write(digest, single_chunk(data))
-            first, second = await asyncio.gather(store.split(digest), store.split(digest))
-            assert first == second == [Digest.of(bytes(v)) for v in cut(data, SMALL)]
-            await store.settled()
-            assert store.stats()["logical_bytes"] == len(data)  # converted once, counted once
-            assert not whole_file(tmp_path / "store", digest).exists()
-            assert await read_all(store, digest) == data
-        finally:
-            await store.aclose()
+    async with converting_store(tmp_path / "store") as (storage, store):
+        await store.write(digest, single_chunk(data))
+        first, second = await asyncio.gather(store.split(digest), store.split(digest))
+        assert first == second == [Digest.of(bytes(v)) for v in cut(data, SMALL)]
+        await store.settled()
+        assert store.stats()["logical_bytes"] == len(data)  # converted once, counted once
+        assert not whole_file(tmp_path / "store", digest).exists()
+        assert await read_all(store, digest) == data
 
 
 async def test_beyond_the_backlog_blobs_are_cut_as_they_arrive(tmp_path: Path) -> None:
     blobs = [random.Random(30 + i).randbytes(100_000) for i in range(3)]
-    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
-        store = ChunkedBlobStore(
-            storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard, backlog=150_000
-        )
-        try:
-            release = asyncio.Event()
-            blocked = asyncio.Event()
-            convert = store._convert
+    async with converting_store(tmp_path / "store", backlog=150_000) as (storage, store):
+        release = asyncio.Event()
+        blocked = asyncio.Event()
+        convert = store._convert
 
-            async def held(digest: Digest, **options: bool) -> list[Digest] | None:
-                blocked.set()
-                await release.wait()
-                return await convert(digest, **options)
+        async def held(digest: Digest, **options: bool) -> list[Digest] | None:
+            blocked.set()
+            await release.wait()
+            return await convert(digest, **options)
 
-            store._convert = held  # type: ignore[method-assign]  # hold the first conversion
-            await store.write(Digest.of(blobs[0]), single_chunk(blobs[0]))
-            await blocked.wait()
-            assert store.stats()["backlog_bytes"] == 100_000
-            await store.write(Digest.of(blobs[1]), single_chunk(blobs[1]))  # over 150,000: cut now
-            assert await store.chunk_list(Digest.of(blobs[1])) is not None
-            assert not whole_file(tmp_path / "store", Digest.of(blobs[1])).exists()
-            assert store.stats()["backlog_blobs"] == 1
-            release.set()
-            await store.settled()
-            for blob in blobs[:2]:
-                assert await read_all(store, Digest.of(blob)) == blob
-                assert not whole_file(tmp_path / "store", Digest.of(blob)).exists()
-        finally:
-            await store.aclose()
+        store._convert = held  # type: ignore[method-assign]  # hold the first conversion
+        await store.write(Digest.of(blobs[0]), single_chunk(blobs[0]))
+        await blocked.wait()
+        assert store.stats()["backlog_bytes"] == 100_000
+        await store.write(Digest.of(blobs[1]), single_chunk(blobs[1]))  # over 150,000: cut now
+        assert await store.chunk_list(Digest.of(blobs[1])) is not None
+        assert not whole_file(tmp_path / "store", Digest.of(blobs[1])).exists()
+        assert store.stats()["backlog_blobs"] == 1
+        release.set()
+        await store.settled()
+        for blob in blobs[:2]:
+            assert await read_all(store, Digest.of(blob)) == blob
+            assert not whole_file(tmp_path / "store", Digest.of(blob)).exists()
 
 
-async def test_no_backlog_or_no_discard_cuts_every_blob_as_it_arrives(tmp_path: Path) -> None:
+async def test_no_backlog_cuts_every_blob_as_it_arrives(tmp_path: Path) -> None:
     data = random.Random(24).randbytes(100_000)
     digest = Digest.of(data)
-    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
-        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard, backlog=0)
+    async with converting_store(tmp_path / "store", backlog=0) as (_, store):
         await store.write(digest, single_chunk(data))
         assert store.stats()["backlog_blobs"] == 0
         assert await store.chunk_list(digest) is not None
@@ -499,18 +492,14 @@ async def test_no_backlog_or_no_discard_cuts_every_blob_as_it_arrives(tmp_path: 
 async def test_a_pinned_whole_copy_is_kept_beside_its_chunks(tmp_path: Path) -> None:
     data = random.Random(25).randbytes(100_000)
     digest = Digest.of(data)
-    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
-        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard)
-        try:
-            await storage.cas.write(digest, single_chunk(data))
-            storage.protect([digest], [])
-            await store.write(digest, single_chunk(data))
-            await store.settled()
-            assert await store.chunk_list(digest) is not None
-            assert whole_file(tmp_path / "store", digest).exists()
-            assert await read_all(store, digest) == data
-        finally:
-            await store.aclose()
+    async with converting_store(tmp_path / "store") as (storage, store):
+        await storage.cas.write(digest, single_chunk(data))
+        storage.protect([digest], [])
+        await store.write(digest, single_chunk(data))
+        await store.settled()
+        assert await store.chunk_list(digest) is not None
+        assert whole_file(tmp_path / "store", digest).exists()
+        assert await read_all(store, digest) == data
 
 
 async def test_closing_leaves_the_blobs_waiting_whole_and_readable(tmp_path: Path) -> None:
@@ -531,21 +520,17 @@ async def test_the_conversion_waits_while_a_large_read_is_served(tmp_path: Path)
     """Background work takes the CPU the requests leave: nothing is converted while a read of a
     large blob is in progress, and the conversion goes on once it is done."""
     first, second = (random.Random(50 + i).randbytes(100_000) for i in range(2))
-    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
-        store = ChunkedBlobStore(storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard)
-        try:
-            await store.write(Digest.of(first), single_chunk(first))
-            await store.settled()
-            stream = await store.read(Digest.of(first))
-            got = [await anext(stream)]  # the read is under way
-            await store.write(Digest.of(second), single_chunk(second))
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(store.settled(), 1.0)
-            assert await store.chunk_list(Digest.of(second)) is None
-            got += [piece async for piece in stream]
-            assert b"".join(got) == first
-            await store.settled()
-            assert await store.chunk_list(Digest.of(second)) is not None
-            assert await read_all(store, Digest.of(second)) == second
-        finally:
-            await store.aclose()
+    async with converting_store(tmp_path / "store") as (storage, store):
+        await store.write(Digest.of(first), single_chunk(first))
+        await store.settled()
+        stream = await store.read(Digest.of(first))
+        got = [await anext(stream)]  # the read is under way
+        await store.write(Digest.of(second), single_chunk(second))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(store.settled(), 1.0)
+        assert await store.chunk_list(Digest.of(second)) is None
+        got += [piece async for piece in stream]
+        assert b"".join(got) == first
+        await store.settled()
+        assert await store.chunk_list(Digest.of(second)) is not None
+        assert await read_all(store, Digest.of(second)) == second
