@@ -29,6 +29,10 @@ from buildvault.storage.disk import fileops, layout, records
 from buildvault.storage.disk.core import SMALL_OP, Core
 from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
 
+# read_blobs reads blob files up to this size whole, in its one trip (wanted whole in memory
+# anyway: a chunk store's batch of chunks up to 2 MiB, a BatchReadBlobs); larger ones stream.
+WHOLE_READ = 4 << 20
+
 
 class Reader:
     """Reads of one store (event-loop side; file work in the pool)."""
@@ -116,7 +120,7 @@ class Reader:
             if size <= limit:
                 record_batch.append(key)
                 record_where.append((i, key, digest))
-            elif size > SMALL_OP:
+            elif size > WHOLE_READ:
                 singles.append(i)
             else:
                 batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", digest))
