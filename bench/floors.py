@@ -176,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="leave BuildGrid 0.9 out")
     parser.add_argument("--quick", action="store_true", help="harness --quick sizes (a smoke test of this script)")
     parser.add_argument("--run-timeout", type=float, default=900.0)
+    # compare.run_harness's options: the harness as compare.py runs it (warm client), never pinned.
+    parser.add_argument("--no-client-warm", dest="client_warm", action="store_false",
+                        help="run the harness without --client-warm (a cold client: first-touch memory)")  # fmt: skip
+    parser.set_defaults(pin=False)
     args = parser.parse_args(argv)
     names = ["buildvault", *FLOORS] + ([] if args.no_peer else [PEER])
     if not args.no_peer:

@@ -242,6 +242,7 @@ def test_verify_checks_chunk_lists_and_their_chunks(buildvault_server) -> None:
         output_files=[re_pb2.OutputFile(path="out.so", digest=Digest.of(kept).to_proto(re_pb2.Digest))]
     )
     _put(base, f"/ac/{action}", result.SerializeToString())
+    buildvault_server.wait_chunked()  # chunked after the write
     chunks = {
         name: [bytes(c) for c in cut(blob, params)] for name, blob in (("k", kept), ("s", sibling), ("d", damaged))
     }

@@ -42,9 +42,9 @@ def action_of(i: int) -> re_pb2.Digest:
 
 
 async def test_tight_cap_with_shared_chunks_never_serves_wrong_bytes(tmp_path) -> None:
-    server = ServerProcess(
-        tmp_path / "data", name="tight", extra_args=["--max-size", "20MiB", "--eviction-hold", "0"]
-    ).start()
+    # Cut as they arrive (no backlog): the test is about chunks evicted while blobs are in use.
+    tight = ["--max-size", "20MiB", "--eviction-hold", "0", "--chunking-backlog", "0"]
+    server = ServerProcess(tmp_path / "data", name="tight", extra_args=tight).start()
     blobs = make_blobs(36)
     digests = [digest(b) for b in blobs]
     acknowledged: list[int] = []
