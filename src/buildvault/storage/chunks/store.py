@@ -154,6 +154,11 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self._foreground += 1
         self._quiet.clear()
 
+    def _leave(self) -> None:
+        self._foreground -= 1
+        if not self._foreground:
+            self._quiet.set()
+
     async def _idle(self) -> None:
         """Return once the store is idle (see `_foreground`), for the background conversion."""
         while True:
@@ -162,11 +167,6 @@ class ChunkedBlobStore(ForwardingBlobStore):
             if wait <= 0 and not self._foreground:
                 return
             await asyncio.sleep(max(wait, 0.0))
-
-    def _leave(self) -> None:
-        self._foreground -= 1
-        if not self._foreground:
-            self._quiet.set()
 
     async def _served(self, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """`stream`, counted as a large read in progress while it is read."""
