@@ -534,3 +534,34 @@ async def test_the_conversion_waits_while_a_large_read_is_served(tmp_path: Path)
         await store.settled()
         assert await store.chunk_list(Digest.of(second)) is not None
         assert await read_all(store, Digest.of(second)) == second
+
+
+async def test_the_conversion_waits_until_a_large_read_has_been_over_for_the_idle_time(tmp_path: Path) -> None:
+    """A client reading blob after blob pauses between its reads: the idle time counts from the end
+    of the last large request, not its start, so a read that took longer than IDLE_AFTER does not
+    let the conversion start the moment it ends."""
+    first, second = (random.Random(60 + i).randbytes(100_000) for i in range(2))
+    now = [1000.0]
+    async with await DiskStorage.open(tmp_path / "store", 1 << 30) as storage:
+        store = ChunkedBlobStore(
+            storage.cas, storage.ac, SMALL, threshold=8192, discard=storage.cas.discard, clock=lambda: now[0]
+        )
+        try:
+            await store.write(Digest.of(first), single_chunk(first))
+            now[0] += 1.0
+            await store.settled()
+            stream = await store.read(Digest.of(first))
+            got = [await anext(stream)]  # the read is under way
+            await store.write(Digest.of(second), single_chunk(second))
+            now[0] += 10 * chunk_store.IDLE_AFTER  # the read lasts long past the idle time
+            got += [piece async for piece in stream]  # ...and ends now
+            assert b"".join(got) == first
+            with pytest.raises(TimeoutError):  # the clock stands still: never idle for long enough
+                await asyncio.wait_for(store.settled(), 4 * chunk_store.IDLE_AFTER)
+            assert await store.chunk_list(Digest.of(second)) is None
+            now[0] += chunk_store.IDLE_AFTER
+            await store.settled()
+            assert await store.chunk_list(Digest.of(second)) is not None
+            assert await read_all(store, Digest.of(second)) == second
+        finally:
+            await store.aclose()

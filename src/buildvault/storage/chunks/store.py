@@ -24,8 +24,8 @@ a background task then cuts the stored copy (read back under its fast checksum: 
 SHA-256 of the whole), stores its chunks, writes the list and only then discards the whole copy.
 A crash leaves the whole copy, the list, or both (reads prefer the list; a whole copy no longer
 read goes with the LRU). One conversion runs at a time, and only while the store is idle (no
-large read or write in progress, no call for IDLE_AFTER): it pauses between batches when a
-request comes, taking only the CPU the requests leave.
+large read or write in progress, none ended and no call begun for IDLE_AFTER): it pauses between
+batches when a request comes, taking only the CPU the requests leave.
 While the whole copies waiting exceed `backlog` bytes (0: always), blobs are cut as they arrive.
 """
 
@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = ac_namespace("", "chunks")
 DEFAULT_THRESHOLD = Settings.chunking_threshold
 DEFAULT_BACKLOG = Settings.chunking_backlog
-# The background conversion waits until the store has had no call for this long.
+# The background conversion waits until the store has had no call for this long (and no large
+# request has ended for this long: a client reading blob after blob pauses between its reads).
 IDLE_AFTER = 0.1
 CONVERTER_TASK = "chunking after the write"  # the background task's name (bench/walks.py leaves it out)
 # A SpliceBlob naming more chunks than this is refused (a blob of 100,000 tiny chunks would
@@ -108,6 +109,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         chunk_writes: bool = True,
         discard: Callable[[Digest], Awaitable[None]] | None = None,
         backlog: int = DEFAULT_BACKLOG,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(inner)
         self.lists = lists
@@ -137,7 +139,8 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self._foreground = 0
         self._quiet = asyncio.Event()
         self._quiet.set()
-        self._last_call = 0.0
+        self._last_call = 0.0  # when the last call began, or the last large request ended
+        self._clock = clock
 
     def stats(self) -> dict[str, float]:
         """Since this process started: bytes of blobs kept chunked, the chunk bytes they added."""
@@ -156,6 +159,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
 
     def _leave(self) -> None:
         self._foreground -= 1
+        self._last_call = self._clock()  # idle counts from the end: a client reading blob after blob leaves gaps
         if not self._foreground:
             self._quiet.set()
 
@@ -163,7 +167,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         """Return once the store is idle (see `_foreground`), for the background conversion."""
         while True:
             await self._quiet.wait()
-            wait = self._last_call + IDLE_AFTER - time.monotonic()
+            wait = self._last_call + IDLE_AFTER - self._clock()
             if wait <= 0 and not self._foreground:
                 return
             await asyncio.sleep(max(wait, 0.0))
@@ -226,7 +230,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
     # -- the BlobStore protocol ----------------------------------------------------------------
 
     async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-        self._last_call = time.monotonic()
+        self._last_call = self._clock()
         missing = await self.inner.find_missing(digests)
         if not any(d.size_bytes >= self.threshold for d in missing):
             return missing
@@ -235,7 +239,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
     async def find_missing_indices(
         self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
     ) -> list[int]:
-        self._last_call = time.monotonic()
+        self._last_call = self._clock()
         missing = await self.inner.find_missing_indices(function, hashes, sizes)
         threshold = self.threshold
         if not any(sizes[i] >= threshold for i in missing):
@@ -247,7 +251,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         ]
 
     async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
-        self._last_call = time.monotonic()
+        self._last_call = self._clock()
         if digest.size_bytes < self.threshold:
             return await self.inner.read(digest, offset, limit)
         chunks = await self._complete_list(digest)
@@ -308,13 +312,13 @@ class ChunkedBlobStore(ForwardingBlobStore):
                     yield found[at : at + CHUNK_SIZE]
 
     async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
-        self._last_call = time.monotonic()
+        self._last_call = self._clock()
         if all(d.size_bytes < self.threshold for d in digests):
             return await self.inner.read_blobs(digests)
         return await read_blobs_one_by_one(self, digests)
 
     async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
-        self._last_call = time.monotonic()
+        self._last_call = self._clock()
         if digest.size_bytes < self.threshold or not self.chunk_writes:
             await self.inner.write(digest, chunks)
             return
@@ -329,7 +333,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
         self._convert_later(digest)
 
     async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        self._last_call = time.monotonic()
+        self._last_call = self._clock()
         if not self.chunk_writes or all(d.size_bytes < self.threshold for d, _ in items):
             return await self.inner.write_blobs(items)
         return await write_blobs_one_by_one(self, items)
