@@ -38,11 +38,25 @@ class Uncacheable(Exception):
 
 
 def serialize(message: Message) -> bytes:
+    """A message's bytes as its digest is taken (deterministic: the same message, the same key)."""
     return message.SerializeToString(deterministic=True)
 
 
-def digest_of(data: bytes) -> Digest:
-    return Digest.of(data)
+def action_blobs(
+    command: re_pb2.Command, root: Digest, platform: re_pb2.Platform
+) -> tuple[Digest, dict[Digest, bytes]]:
+    """The Action of `command` over the input root `root` on `platform`: its digest, and the
+    Command and Action blobs by digest (what a client uploads beside the input tree)."""
+    command_data = serialize(command)
+    command_digest = Digest.of(command_data)
+    action = re_pb2.Action(
+        command_digest=command_digest.to_proto(re_pb2.Digest),
+        input_root_digest=root.to_proto(re_pb2.Digest),
+        platform=platform,
+    )
+    action_data = serialize(action)
+    digest = Digest.of(action_data)
+    return digest, {command_digest: command_data, digest: action_data}
 
 
 @dataclass(frozen=True)
@@ -309,16 +323,7 @@ def action_key(
     )
     plat = _platform(p, exact, argv, sorted(inputs))
     command.platform.CopyFrom(plat)
-    command_data = serialize(command)
-    command_digest = Digest.of(command_data)
     root, blobs = build_tree(inputs)
-    action = re_pb2.Action(
-        command_digest=command_digest.to_proto(re_pb2.Digest),
-        input_root_digest=root.to_proto(re_pb2.Digest),
-        platform=plat,
-    )
-    action_data = serialize(action)
-    action_digest = Digest.of(action_data)
-    blobs[command_digest] = command_data
-    blobs[action_digest] = action_data
+    action_digest, action_and_command = action_blobs(command, root, plat)
+    blobs.update(action_and_command)
     return ActionKey(action_digest, blobs, command, output_rel)

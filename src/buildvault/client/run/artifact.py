@@ -21,14 +21,14 @@ from buildvault import pins
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
 
-from ..keys import FileHasher
+from ..keys import FileHasher, action_blobs, serialize
 from ..pin_index import read_index, write_index
 from ..remote import Remote, RemoteError
 from ..roots import Roots
 from .key import InputWalker
 from .outputs import UnusableResult, add_tree, restore
 from .spec import DEFAULT_EXCLUDES, SpecError, parse_platform
-from .tree import TreeBuilder, serialize
+from .tree import TreeBuilder
 
 KEY_VERSION = "buildvault-artifact/1"
 ARTIFACT_DIR = "artifact"
@@ -74,15 +74,8 @@ def artifact_key(name: str, key_trees: list[str], key_values: list[tuple[str, st
     props.update(platform)
     plat = re_pb2.Platform(properties=[re_pb2.Platform.Property(name=k, value=v) for k, v in sorted(props.items())])
     command = re_pb2.Command(arguments=[KEY_VERSION, name], output_directories=[ARTIFACT_DIR], platform=plat)
-    command_data = serialize(command)
-    cd = Digest.of(command_data)
-    action = re_pb2.Action(
-        command_digest=cd.to_proto(re_pb2.Digest), input_root_digest=root.to_proto(re_pb2.Digest), platform=plat
-    )
-    action_data = serialize(action)
-    digest = Digest.of(action_data)
-    blobs[cd] = command_data
-    blobs[digest] = action_data
+    digest, action_and_command = action_blobs(command, root, plat)
+    blobs.update(action_and_command)
     return ArtifactKey(digest, blobs)
 
 

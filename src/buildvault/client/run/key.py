@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
-from ..keys import FileHasher
+from ..keys import FileHasher, action_blobs
 from ..roots import Roots, find_cmake_roots, parse_roots
 from .spec import SpecError, StepSpec
-from .tree import TreeBuilder, serialize
+from .tree import TreeBuilder
 
 KEY_VERSION = "buildvault-run/1"
 LINK_TARGET_PROPERTY = "target-digest"
@@ -200,15 +200,6 @@ def step_key(spec: StepSpec, env: Mapping[str, str], hasher: FileHasher | None =
         output_paths=output_paths,
         platform=platform,
     )
-    command_data = serialize(command)
-    command_digest = Digest.of(command_data)
-    action = re_pb2.Action(
-        command_digest=command_digest.to_proto(re_pb2.Digest),
-        input_root_digest=root_digest.to_proto(re_pb2.Digest),
-        platform=platform,
-    )
-    action_data = serialize(action)
-    digest = Digest.of(action_data)
-    blobs[command_digest] = command_data
-    blobs[digest] = action_data
+    digest, action_and_command = action_blobs(command, root_digest, platform)
+    blobs.update(action_and_command)
     return StepKey(digest, blobs, command, output_paths, roots)

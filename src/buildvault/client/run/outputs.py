@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from buildvault.digest import Digest, InvalidDigest
 from buildvault.remote_apis import re_pb2
 
+from ..keys import serialize
 from ..roots import Roots
-from .tree import TreeBuilder, serialize
+from .tree import TreeBuilder
 
 Fetch = Callable[[Iterable[Digest]], dict[Digest, bytes]]
 

@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 
-
-def serialize(message: re_pb2.Directory | re_pb2.Tree | re_pb2.Command | re_pb2.Action) -> bytes:
-    return message.SerializeToString(deterministic=True)
+from ..keys import serialize
 
 
 @dataclass
