@@ -514,7 +514,8 @@ async def test_small_chunks_are_batched_into_few_thread_hops(storage: DiskStorag
     digest = Digest.of(data)
     before = storage.pool_trips
     await storage.cas.write(digest, chunked(data, 16 * 1024))  # 1,024 chunks
-    assert 16 <= storage.pool_trips - before <= 2 * 16 + 3  # per batch: one hop hashes it, another writes it
+    # per batch at most one hop hashes it and another writes it (a stage takes queued batches in one hop)
+    assert 0 < storage.pool_trips - before <= 2 * 16 + 3
     before = storage.pool_trips
     assert len([c async for c in await storage.cas.read(digest)]) == 16
     assert 0 < storage.pool_trips - before <= 16 + 1

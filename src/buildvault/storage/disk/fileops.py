@@ -27,6 +27,7 @@ and its results come back in one loop wakeup, so a BatchUpdateBlobs of 100 blobs
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import errno
@@ -34,6 +35,7 @@ import itertools
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -416,6 +418,151 @@ class TempFile:
         if self.path is not None:
             unlink_quiet(self.path)
             self.path = None
+
+
+class Pipeline:
+    """The batches of one streamed write, hashed then written in order by the store's workers
+    without the event loop waiting for each: `put` queues a batch and returns at once; a hashing
+    stage (`TempFile.digest_part`) hands each batch to a writing stage (`TempFile.append`), each a
+    run of the pool's work items that takes the next batch as soon as the previous one is done,
+    so neither waits for the loop to hand over. The loop waits only when `held` (bytes queued,
+    not written yet) passes its bound (`wait`), and for the end (`wait(0)`); the first stage error
+    stops both stages and is in `error`. `stop` drops the batches not started; its future is done
+    once no stage runs (only then may the temp file be closed: its fd could be reused).
+
+    Thread-safe: `put`, `wait` and `stop` are called from the event loop, the stages run in the pool.
+    """
+
+    __slots__ = (
+        "temp", "executor", "held", "error", "_lock", "_to_hash", "_to_write", "_hashing", "_writing",
+        "_stopped", "_waiter", "_most", "_quiet",
+    )  # fmt: skip
+
+    def __init__(self, temp: TempFile, executor: concurrent.futures.Executor) -> None:
+        self.temp = temp
+        self.executor = executor
+        self.held = 0
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._to_hash: collections.deque[tuple[list[bytes], int]] = collections.deque()
+        self._to_write: collections.deque[tuple[list[bytes], int]] = collections.deque()
+        self._hashing = self._writing = self._stopped = False
+        self._waiter: concurrent.futures.Future[None] | None = None
+        self._most = 0
+        self._quiet: concurrent.futures.Future[None] | None = None
+
+    def put(self, parts: list[bytes], nbytes: int) -> None:
+        """Queue the next batch (`nbytes` in `parts`) to be hashed, then written."""
+        with self._lock:
+            if self._stopped or self.error is not None:
+                return
+            self._to_hash.append((parts, nbytes))
+            self.held += nbytes
+            start = not self._hashing
+            self._hashing = True
+        if start:
+            self._start(self._hash_stage)
+
+    def wait(self, most: int) -> concurrent.futures.Future[None] | None:
+        """None if at most `most` bytes are held (or a stage failed); else a future done once that is so."""
+        with self._lock:
+            if self.error is not None or self.held <= most:
+                return None
+            self._most = most
+            self._waiter = concurrent.futures.Future()
+            return self._waiter
+
+    def stop(self) -> concurrent.futures.Future[None]:
+        """Drop the batches not started; the future is done once no stage runs."""
+        quiet: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._stopped = True
+            self._to_hash.clear()
+            self._to_write.clear()
+            if self._hashing or self._writing:
+                self._quiet = quiet
+                return quiet
+        quiet.set_result(None)
+        return quiet
+
+    def _start(self, stage: Callable[[], None]) -> None:
+        try:
+            self.executor.submit(stage)
+        except BaseException as e:  # the pool is shut down
+            with self._lock:
+                if stage == self._hash_stage:
+                    self._hashing = False
+                else:
+                    self._writing = False
+                self._fail(e)
+            self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        """Under the lock: the first error stops both stages."""
+        if self.error is None:
+            self.error = error
+        self._to_hash.clear()
+        self._to_write.clear()
+
+    def _wake(self) -> None:
+        """Resolve the loop's wait and stop's future if their condition holds now."""
+        done = []
+        with self._lock:
+            if self._waiter is not None and (self.error is not None or self.held <= self._most):
+                done.append(self._waiter)
+                self._waiter = None
+            if self._quiet is not None and not (self._hashing or self._writing):
+                done.append(self._quiet)
+                self._quiet = None
+        for future in done:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # the loop gave up waiting
+                future.set_result(None)
+
+    def _hash_stage(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped or self.error is not None or not self._to_hash:
+                    self._hashing = False
+                    break
+                parts, nbytes = self._to_hash.popleft()
+            try:
+                parts = self.temp.digest_part(parts)
+            except BaseException as e:
+                with self._lock:
+                    self._fail(e)
+                continue
+            with self._lock:
+                if self._stopped or self.error is not None:
+                    continue
+                self._to_write.append((parts, nbytes))
+                start = not self._writing
+                self._writing = True
+            del parts
+            if start:
+                self._start(self._write_stage)
+        self._wake()
+
+    def _write_stage(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopped or self.error is not None or not self._to_write:
+                    self._writing = False
+                    break
+                parts, nbytes = self._to_write.popleft()
+            try:
+                self.temp.append(parts)
+            except BaseException as e:
+                with self._lock:
+                    self._fail(e)
+                continue
+            finally:
+                del parts
+            with self._lock:
+                self.held -= nbytes
+                wake = self._waiter is not None and self.held <= self._most
+            if wake:
+                self._wake()
+        self._wake()
 
 
 def replace_durably(tmp_dir: str, final: str, parts: list[bytes]) -> None:

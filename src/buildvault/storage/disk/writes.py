@@ -45,10 +45,14 @@ __all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
 # Incoming chunks are gathered to this size before one thread hop hashes and writes them:
 # Bazel sends 16 KiB ByteStream chunks, and 4,096 hops for a 64 MiB blob would cost more than the I/O.
 WRITE_BATCH = SMALL_OP
-# What the streamed uploads in progress may hold in memory between them: each up to three batches
-# (one arriving, one being hashed, one being written), so under many concurrent uploads the batch
-# shrinks (down to MIN_WRITE_BATCH) instead of the memory growing with them; a few at once keep
-# WRITE_BATCH.
+# Batches a streamed upload may hold in its pipeline (being hashed, being written, queued) before
+# the event loop waits for it to be half empty: the receive, the hash and the write then run
+# without a hand-over per batch through the loop.
+PIPELINE_DEPTH = 4
+# What the streamed uploads in progress may hold in memory between them: each up to
+# PIPELINE_DEPTH + 1 batches (the pipeline's and one arriving), so under many concurrent uploads
+# the batch shrinks (down to MIN_WRITE_BATCH) instead of the memory growing with them; a few at
+# once keep WRITE_BATCH.
 UPLOAD_BUFFER_BUDGET = 48 << 20
 MIN_WRITE_BATCH = 64 << 10
 
@@ -63,8 +67,8 @@ class Writer:
         self.receiving = 0  # streamed uploads in _receive now
 
     def batch_size(self) -> int:
-        """The batch of a streamed upload now: its share of UPLOAD_BUFFER_BUDGET (three batches each)."""
-        share = UPLOAD_BUFFER_BUDGET // (3 * max(1, self.receiving))
+        """The batch of a streamed upload now: its share of UPLOAD_BUFFER_BUDGET (PIPELINE_DEPTH + 1 batches each)."""
+        share = UPLOAD_BUFFER_BUDGET // ((PIPELINE_DEPTH + 1) * max(1, self.receiving))
         return max(MIN_WRITE_BATCH, min(WRITE_BATCH, share))
 
     async def _stored(self, digest: Digest, key: bytes) -> bool:
@@ -271,10 +275,10 @@ class Writer:
         executor = self.core.executor
         hasher = new_hasher(digest.function) if digest is not None else None
         temp = fileops.TempFile(self.core.layout.tmp_dir, hasher, checksum)
-        # A pipeline of two workers: batch N is hashed while batch N-1 is written (each about
-        # as costly as the other), while the event loop receives batch N+1.
-        hashed: concurrent.futures.Future[Any] | None = None  # -> the batch's pieces, to write
-        written: concurrent.futures.Future[Any] | None = None
+        # Batches go to a pipeline of two stages in the pool (batch N hashed while N-1 is written)
+        # while the event loop receives N+1; the loop waits only when PIPELINE_DEPTH batches are
+        # held, not for each batch (bench/notes/2026-12-06-asset-download.md).
+        pipeline = fileops.Pipeline(temp, executor)
         pending: concurrent.futures.Future[Any] | None = None
         self.receiving += 1
         try:
@@ -291,26 +295,15 @@ class Writer:
                         raise DigestMismatch(f"blob {what}: more than the declared {size} bytes")
                     parts.append(chunk)
                     buffered += n
-                    if buffered >= self.batch_size():
-                        if hashed is not None:
-                            data = await _wait_io(hashed, what)
-                            if written is not None:
-                                await _wait_io(written, what)
-                            written = executor.submit(temp.append, data)
-                            data = []  # the write holds the batch until it is done, then nothing does
-                        hashed = executor.submit(temp.digest_part, parts)
+                    batch = self.batch_size()
+                    if buffered >= batch:
+                        pipeline.put(parts, buffered)
                         parts, buffered = [], 0
+                        if pipeline.held >= PIPELINE_DEPTH * batch:
+                            await _drain(pipeline, PIPELINE_DEPTH * batch // 2, what)
                 if total != size:
                     raise DigestMismatch(f"blob {what}: got {total} bytes, declared {size}")
-                if hashed is not None:
-                    data = await _wait_io(hashed, what)
-                    hashed = None
-                    if written is not None:
-                        await _wait_io(written, what)
-                    written = executor.submit(temp.append, data)
-                if written is not None:
-                    await _wait_io(written, what)
-                    written = None
+                await _drain(pipeline, 0, what)
             pending = executor.submit(temp.finish, parts)
             actual = await _wait_io(pending, what)
             pending = None
@@ -319,11 +312,12 @@ class Writer:
             assert temp.path is not None
             return temp.path
         except BaseException:
-            await self.core.settle(executor.submit(temp.abort, pending, hashed, written))
+            await self.core.settle(pipeline.stop())
+            await self.core.settle(executor.submit(temp.abort, pending))
             # The traceback keeps this frame, and an abandoned upload's objects form a cycle that
             # may wait long for the garbage collector: hold none of its batches (about 1 MiB each).
-            pending = hashed = written = None
-            parts, data = [], []
+            pending = None
+            parts = []
             raise
         finally:
             self.receiving -= 1
@@ -427,6 +421,17 @@ def _rename_replacing(recs: records.Records, temp: str, final: str, stale: list[
     fileops.rename(temp, final)
     if stale:
         records.delete_many(recs, stale)
+
+
+async def _drain(pipeline: fileops.Pipeline, most: int, what: object) -> None:
+    """Until the pipeline holds at most `most` bytes; raises the error of a stage, if any."""
+    waiting = pipeline.wait(most)
+    if waiting is not None:
+        await asyncio.wrap_future(waiting)
+    if pipeline.error is not None:
+        if isinstance(pipeline.error, OSError):
+            raise fileops.storage_error(pipeline.error, f"writing {what}") from pipeline.error
+        raise pipeline.error
 
 
 async def _wait_io(cf: concurrent.futures.Future[Any], what: object) -> Any:
