@@ -1,7 +1,8 @@
 """File operations that run in the store's worker threads, never on the event loop.
 
 Whole small entries (verify + temp file + rename, reads of whole files, unlinks) in as few
-syscalls as possible, the streaming temp file of large writes (`TempFile`), the durable
+syscalls as possible, the streaming temp file of large writes (`TempFile`) and the ordered
+hash-then-write stages its batches go through (`Pipeline`), the durable
 replacement of a small metadata file (`replace_durably`), and the mapping of OSErrors to
 storage errors.
 

@@ -4,7 +4,8 @@ Entries up to the record limit are records (records.py): verified and committed 
 operation, a whole batch in one LMDB transaction. Others up to SMALL_OP bytes are gathered in
 memory and verified, written and renamed in one coalesced operation; larger ones stream into a
 temp file in batches of up to WRITE_BATCH (smaller when many uploads run at once:
-UPLOAD_BUFFER_BUDGET), one batch hashed while the previous one is written. Either way
+UPLOAD_BUFFER_BUDGET), one batch hashed while the previous one is written, queued to the
+workers without the event loop waiting for each (fileops.Pipeline). Either way
 a blob becomes visible only once verified, by one commit or one atomic rename, and a failed or
 cancelled write leaves nothing behind. Once the commit or rename is under way it completes and
 is indexed even if the caller is cancelled.
