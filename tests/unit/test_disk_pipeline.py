@@ -132,6 +132,37 @@ def test_the_first_error_stops_both_stages(
     assert pipeline.wait(0) is None
 
 
+def test_a_long_write_takes_turns_with_other_work_in_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage run takes at most STAGE_RUN batches, then queues behind what came meanwhile: with
+    one worker, a job submitted during a long write runs before the write's remaining batches."""
+    go = threading.Event()
+    hashed: list[int] = []
+    digest_part = fileops.TempFile.digest_part
+
+    def counted(self: fileops.TempFile, parts: list[bytes]) -> list[bytes]:
+        assert go.wait(30)
+        hashed.append(1)
+        return digest_part(self, parts)
+
+    monkeypatch.setattr(fileops.TempFile, "digest_part", counted)
+    count = 4 * fileops.STAGE_RUN
+    with concurrent.futures.ThreadPoolExecutor(1) as one:
+        temp = new_temp(tmp_path)
+        pipeline = fileops.Pipeline(temp, one)
+        for _ in range(count):
+            pipeline.put([os.urandom(BATCH)], BATCH)  # the first run starts and waits for `go`
+        other = one.submit(lambda: len(hashed))
+        go.set()
+        assert other.result(timeout=30) == fileops.STAGE_RUN
+        finished = pipeline.wait(0)
+        if finished is not None:
+            finished.result(timeout=30)
+        assert len(hashed) == count and pipeline.held == 0
+        temp.abort()
+
+
 # -- through the store ------------------------------------------------------------------------
 
 

@@ -421,14 +421,21 @@ class TempFile:
             self.path = None
 
 
+# Batches one run of a Pipeline stage takes at most before it goes to the back of the pool's
+# queue: a long upload holds a worker for a few milliseconds at a time, not for its whole length,
+# and reads and other writes get their turn between.
+STAGE_RUN = 4
+
+
 class Pipeline:
     """The batches of one streamed write, hashed then written in order by the store's workers
     without the event loop waiting for each: `put` queues a batch and returns at once; a hashing
     stage (`TempFile.digest_part`) hands each batch to a writing stage (`TempFile.append`), each a
-    run of the pool's work items that takes the next batch as soon as the previous one is done,
-    so neither waits for the loop to hand over. The loop waits only when `held` (bytes queued,
-    not written yet) passes its bound (`wait`), and for the end (`wait(0)`); the first stage error
-    stops both stages and is in `error`. `stop` drops the batches not started; its future is done
+    run of the pool's work items that takes the next batch as soon as the previous one is done
+    (up to STAGE_RUN batches, then its next run queues behind other work), so neither waits for
+    the loop to hand over. The loop waits only when `held` (bytes queued, not written yet) passes
+    its bound (`wait`), and for the end (`wait(0)`); the first stage error stops both stages and
+    is in `error`. `stop` drops the batches not started; its future is done
     once no stage runs (only then may the temp file be closed: its fd could be reused).
 
     Thread-safe: `put`, `wait` and `stop` are called from the event loop, the stages run in the pool.
@@ -520,7 +527,7 @@ class Pipeline:
                 future.set_result(None)
 
     def _hash_stage(self) -> None:
-        while True:
+        for _ in range(STAGE_RUN):
             with self._lock:
                 if self._stopped or self.error is not None or not self._to_hash:
                     self._hashing = False
@@ -541,10 +548,13 @@ class Pipeline:
             del parts
             if start:
                 self._start(self._write_stage)
+        else:  # still running: to the back of the pool's queue
+            self._start(self._hash_stage)
+            return
         self._wake()
 
     def _write_stage(self) -> None:
-        while True:
+        for _ in range(STAGE_RUN):
             with self._lock:
                 if self._stopped or self.error is not None or not self._to_write:
                     self._writing = False
@@ -563,6 +573,9 @@ class Pipeline:
                 wake = self._waiter is not None and self.held <= self._most
             if wake:
                 self._wake()
+        else:
+            self._start(self._write_stage)
+            return
         self._wake()
 
 
