@@ -27,6 +27,7 @@ from reapi_client import (
 from buildvault.remote_apis import bs_pb2
 from buildvault.server.grpc import READ_CHUNK_SIZE
 from buildvault.server.grpc.bytestream import read_response
+from buildvault.storage import CHUNK_SIZE
 
 MiB = 1 << 20
 
@@ -53,16 +54,19 @@ async def test_read_messages_fit_a_default_client(stubs):
 
 
 @pytest.mark.parametrize("offset", [0, 1000])
-async def test_every_read_message_but_the_last_is_full(stubs, offset):
-    """Whatever pieces the store yields (a blob kept as chunks, the server's default from 2 MiB:
-    chunks of 128 KiB to 2 MiB), every message but the last carries READ_CHUNK_SIZE bytes."""
+async def test_the_first_read_message_goes_at_once_and_the_rest_are_full(stubs, offset):
+    """The first message carries the store's first piece as soon as it is read (at most
+    CHUNK_SIZE: the client starts receiving sooner); then, whatever pieces the store yields (a blob
+    kept as chunks, the server's default from 2 MiB: chunks of 128 KiB to 2 MiB), every message
+    but the last carries READ_CHUNK_SIZE bytes."""
     data = blob(9 * MiB + 5)
     await write(stubs, data, chunk=MiB)
     request = bs_pb2.ReadRequest(resource_name=read_name(digest(data)), read_offset=offset)
     pieces = [r.data async for r in stubs.bytestream.Read(request)]
     assert b"".join(pieces) == data[offset:]
-    assert len(pieces) > 2
-    assert [len(p) for p in pieces[:-1]] == [READ_CHUNK_SIZE] * (len(pieces) - 1)
+    assert len(pieces) > 3
+    assert 0 < len(pieces[0]) <= CHUNK_SIZE < READ_CHUNK_SIZE
+    assert [len(p) for p in pieces[1:-1]] == [READ_CHUNK_SIZE] * (len(pieces) - 2)
     assert 0 < len(pieces[-1]) <= READ_CHUNK_SIZE
 
 

@@ -325,9 +325,12 @@ class ByteStreamService:
         if resource.compressor is not None:
             chunks = zstd_compress_stream(source, digest.size_bytes - offset)
         sent = 0
-        # Every message but the last carries READ_CHUNK_SIZE bytes, whatever the pieces the store
-        # yields (a chunked blob's chunks are 128 KiB-2 MiB): framing copies them once anyway,
-        # and fewer messages cost less.
+        # The first message carries the store's first piece as soon as it is read: the client
+        # starts receiving while the rest is read (a 64 MiB read's first bytes came 2-3 ms
+        # sooner, the whole read about 6 % sooner in 8 of 10 runs: the reads note of 2026-12-06).
+        # Every later message but the last carries READ_CHUNK_SIZE bytes, whatever the pieces
+        # the store yields (a chunked blob's chunks are 128 KiB-2 MiB): framing copies them once
+        # anyway, and fewer messages cost less.
         parts: list[memoryview] = []
         held = 0
         try:
@@ -341,6 +344,9 @@ class ByteStreamService:
                     if held == READ_CHUNK_SIZE:
                         await context.write(read_response(*parts))
                         parts, held = [], 0
+                if not sent and parts:  # the first piece: at once
+                    await context.write(read_response(*parts))
+                    parts, held = [], 0
                 sent += len(chunk)
             if parts:
                 await context.write(read_response(*parts))
