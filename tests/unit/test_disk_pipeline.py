@@ -230,3 +230,34 @@ async def test_a_failed_write_in_the_pipeline_leaves_nothing(
     assert storage.reserved_bytes == 0 and await storage.cas.find_missing([digest]) == [digest]
     await storage.cas.write(digest, pieces())
     assert await read_all(storage, digest) == data
+
+
+async def test_a_failed_write_ends_the_upload_at_the_next_batch(
+    storage: DiskStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a batch fails to be written, the store takes no more than one more batch of the body
+    (not the rest of a large upload) before it answers with the error."""
+    failed = threading.Event()
+
+    def no_space(fd: int, parts: list[bytes]) -> None:
+        failed.set()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    batches = 32
+    data = os.urandom(batches * WRITE_BATCH)
+    pulled = 0
+
+    async def pieces() -> AsyncIterator[bytes]:  # two pieces a batch: one writev each
+        nonlocal pulled
+        for start in range(0, len(data), WRITE_BATCH // 2):
+            if pulled == 2:  # the first batch is in the pipeline: let its write fail first
+                assert await asyncio.to_thread(failed.wait, 30)
+            pulled += 1
+            yield data[start : start + WRITE_BATCH // 2]
+
+    with monkeypatch.context() as m:
+        m.setattr(fileops, "writev_all", no_space)
+        with pytest.raises(StorageFull):
+            await storage.cas.write(Digest.of(data), pieces())
+    assert pulled == 4  # the second batch, then the error
+    assert os.listdir(storage.root / "tmp") == []

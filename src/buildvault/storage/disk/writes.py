@@ -300,7 +300,8 @@ class Writer:
                     if buffered >= batch:
                         pipeline.put(parts, buffered)
                         parts, buffered = [], 0
-                        if pipeline.held >= PIPELINE_DEPTH * batch:
+                        # A failed stage ends the upload now, not once the whole body is in.
+                        if pipeline.error is not None or pipeline.held >= PIPELINE_DEPTH * batch:
                             await _drain(pipeline, PIPELINE_DEPTH * batch // 2, what)
                 if total != size:
                     raise DigestMismatch(f"blob {what}: got {total} bytes, declared {size}")
