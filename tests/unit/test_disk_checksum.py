@@ -17,7 +17,7 @@ from disk_helpers import assert_consistent, blob_path, chunked, read_all
 from buildvault.admin.verify import verify
 from buildvault.digest import Digest, Hasher
 from buildvault.storage import NotFound, fastsum
-from buildvault.storage.disk import DiskStorage, fileops, writes
+from buildvault.storage.disk import DiskStorage, fileops, filereads, writes
 
 MiB = 1 << 20
 # A file written and read whole in one coalesced trip, and one streamed in chunks.
@@ -49,6 +49,7 @@ def digest_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(function)
 
     monkeypatch.setattr(fileops, "new_hasher", counting)
+    monkeypatch.setattr(filereads, "new_hasher", counting)
     monkeypatch.setattr(writes, "new_hasher", counting)
     return runs
 

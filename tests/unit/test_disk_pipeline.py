@@ -33,6 +33,30 @@ def new_temp(directory: Path) -> fileops.TempFile:
     return fileops.TempFile(str(directory), new_hasher(DigestFunction.SHA256))
 
 
+class HeldWrites:
+    """TempFile.append held back: `entered` once a write starts, which waits for `release`;
+    `written` lists the sizes of the first piece of each batch written."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.written: list[int] = []
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> HeldWrites:
+    state = HeldWrites()
+    append = fileops.TempFile.append
+
+    def held_back(self: fileops.TempFile, parts: list[bytes]) -> None:
+        state.entered.set()
+        assert state.release.wait(30)
+        append(self, parts)
+        state.written.append(len(parts[0]))
+
+    monkeypatch.setattr(fileops.TempFile, "append", held_back)
+    return state
+
+
 def test_batches_are_hashed_and_written_in_order(tmp_path: Path, pool: concurrent.futures.Executor) -> None:
     temp = new_temp(tmp_path)
     pipeline = fileops.Pipeline(temp, pool)
@@ -50,17 +74,9 @@ def test_batches_are_hashed_and_written_in_order(tmp_path: Path, pool: concurren
 
 
 def test_wait_is_done_once_the_pipeline_holds_at_most_that_much(
-    tmp_path: Path, pool: concurrent.futures.Executor, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, pool: concurrent.futures.Executor, held: HeldWrites
 ) -> None:
-    entered, release = threading.Event(), threading.Event()
-    append = fileops.TempFile.append
-
-    def held_back(self: fileops.TempFile, parts: list[bytes]) -> None:
-        entered.set()
-        assert release.wait(30)
-        append(self, parts)
-
-    monkeypatch.setattr(fileops.TempFile, "append", held_back)
+    entered, release = held.entered, held.release
     temp = new_temp(tmp_path)
     pipeline = fileops.Pipeline(temp, pool)
     for _ in range(3):
@@ -80,19 +96,9 @@ def test_wait_is_done_once_the_pipeline_holds_at_most_that_much(
 
 
 def test_stop_drops_what_was_not_started_and_is_done_once_no_stage_runs(
-    tmp_path: Path, pool: concurrent.futures.Executor, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, pool: concurrent.futures.Executor, held: HeldWrites
 ) -> None:
-    entered, release = threading.Event(), threading.Event()
-    writes: list[int] = []
-    append = fileops.TempFile.append
-
-    def held_back(self: fileops.TempFile, parts: list[bytes]) -> None:
-        entered.set()
-        assert release.wait(30)
-        append(self, parts)
-        writes.append(len(parts[0]))
-
-    monkeypatch.setattr(fileops.TempFile, "append", held_back)
+    entered, release, writes = held.entered, held.release, held.written
     temp = new_temp(tmp_path)
     pipeline = fileops.Pipeline(temp, pool)
     for _ in range(5):
@@ -132,9 +138,7 @@ def test_the_first_error_stops_both_stages(
     assert pipeline.wait(0) is None
 
 
-def test_a_long_write_takes_turns_with_other_work_in_the_pool(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_long_write_takes_turns_with_other_work_in_the_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage run takes at most STAGE_RUN batches, then queues behind what came meanwhile: with
     one worker, a job submitted during a long write runs before the write's remaining batches."""
     go = threading.Event()

@@ -36,7 +36,7 @@ from buildvault.storage import (
     StorageFull,
     ac_namespace,
 )
-from buildvault.storage.disk import SMALL_OP, WRITE_BATCH, DiskStorage, core, fileops
+from buildvault.storage.disk import SMALL_OP, WRITE_BATCH, DiskStorage, core, fileops, filereads
 from buildvault.storage.disk.writes import UPLOAD_BUFFER_BUDGET
 
 # Tests that work on files directly (remove, damage, count them) run with the file layout
@@ -359,14 +359,14 @@ def test_a_streamed_read_asks_for_sequential_read_ahead(tmp_path: Path, monkeypa
     data = os.urandom(3 * CHUNK_SIZE)
     path = tmp_path / "blob"
     path.write_bytes(data)
-    status, fd, first = fileops.open_range(str(path), len(data), 0, CHUNK_SIZE, len(data), None)
+    status, fd, first = filereads.open_range(str(path), len(data), 0, CHUNK_SIZE, len(data), None)
     assert status == fileops.OK and fd is not None and first == data[:CHUNK_SIZE]
     try:
         assert advised == [(fd, os.POSIX_FADV_SEQUENTIAL)]
     finally:
         os.close(fd)
     advised.clear()  # read in one go: no file stays open, nothing to advise
-    status, fd, whole = fileops.open_range(str(path), len(data), 0, len(data), len(data), None)
+    status, fd, whole = filereads.open_range(str(path), len(data), 0, len(data), len(data), None)
     assert (status, fd, whole, advised) == (fileops.OK, None, data, [])
 
 
@@ -471,13 +471,13 @@ async def test_action_entries_are_served_from_memory_and_stay_current(
     digest = Digest.of(b"action")
     await storage.ac.put("ac", digest, b"first")
     reads: list[str] = []
-    read_file = fileops.read_file
+    read_file = filereads.read_file
 
     def counted(path: str) -> bytes | None:
         reads.append(path)
         return read_file(path)
 
-    monkeypatch.setattr(fileops, "read_file", counted)
+    monkeypatch.setattr(filereads, "read_file", counted)
     assert await storage.ac.get("ac", digest) == b"first"
     assert reads == []  # written just now: in memory
     await storage.ac.put("ac", digest, b"second")

@@ -1,7 +1,7 @@
 """File operations that run in the store's worker threads, never on the event loop.
 
-Whole small entries (verify + temp file + rename, reads of whole files, unlinks) in as few
-syscalls as possible, the streaming temp file of large writes (`TempFile`) and the ordered
+Whole small entries (verify + temp file + rename, unlinks) in as few syscalls as possible
+(reading files back, verified, is filereads.py), the streaming temp file of large writes (`TempFile`) and the ordered
 hash-then-write stages its batches go through (`Pipeline`), the durable
 replacement of a small metadata file (`replace_durably`), and the mapping of OSErrors to
 storage errors.
@@ -9,11 +9,7 @@ storage errors.
 The fast checksum of a blob file (storage/fastsum.py, XXH3-64) is an extended attribute of the
 file (`FAST_XATTR`), set on the temp file before its rename, so it is in place exactly when the
 file is: computed in the same pass as the digest a write verifies, or the one a `store_verified`
-caller computed over the bytes it hashed. A whole read (`read_many`, `open_range` + `Check`)
-verifies it instead of the digest. A file without one (written before it was recorded, copied
-without its attributes, or on a filesystem without user xattrs) is verified against its digest,
-and the checksum recorded once that matched: blobs are content-addressed, so the checksum of a
-path's verified content is right for every file that path will ever hold.
+caller computed over the bytes it hashed. Reads verify it (filereads.py).
 
 Functions are looked up through this module at call time, so a test can inject
 a fault (ENOSPC, a slow rename) by replacing one of them.
@@ -137,42 +133,6 @@ def record_sum(fd: int, value: bytes) -> None:
         log.debug("fast checksum not recorded: %s", e)
 
 
-class Check:
-    """The verification of one whole-file read, fed in order in the worker threads: the fast
-    checksum recorded with the file, or (a file without one) its digest, recording the checksum
-    once the digest matched. `ok` once `finish` found the content right."""
-
-    __slots__ = ("digest", "recorded", "fast", "full", "ok")
-
-    def __init__(self, digest: Digest) -> None:
-        self.digest = digest
-        self.recorded: bytes | None = None
-        self.fast = fastsum.new()
-        self.full: Hasher | None = None
-        self.ok = False
-
-    def start(self, fd: int) -> None:
-        self.recorded = recorded_sum(fd)
-        if self.recorded is None:
-            self.full = new_hasher(self.digest.function)
-
-    def update(self, data: bytes) -> None:
-        self.fast.update(data)
-        if self.full is not None:
-            self.full.update(data)
-
-    def finish(self, fd: int) -> bool:
-        """After the last byte: whether the content is right (recording the checksum if it was verified by digest)."""
-        fast = self.fast.digest()
-        if self.full is None:
-            self.ok = fast == self.recorded
-        else:
-            self.ok = self.full.hexdigest() == self.digest.hash
-            if self.ok:
-                record_sum(fd, fast)
-        return self.ok
-
-
 def check_hash(data: bytes, digest: Digest) -> None:
     """Raise DigestMismatch unless `data` hashes to `digest`."""
     hasher = new_hasher(digest.function)
@@ -222,130 +182,6 @@ def content_matches(data: bytes, digest: Digest) -> bool:
     hasher = new_hasher(digest.function)
     hasher.update(data)
     return hasher.hexdigest() == digest.hash
-
-
-def read_small(path: str, digest: Digest, offset: int, end: int) -> tuple[int, bytes]:
-    """Bytes [offset, end) of a whole small blob file, verified whole against `digest` first."""
-    found = read_many([(path, digest)])[0]
-    status, data = found
-    if isinstance(data, OSError):
-        raise data
-    return status, data[offset:end] if status == OK else b""
-
-
-def read_many(items: list[tuple[str, Digest]]) -> list[tuple[int, bytes | OSError]]:
-    """Whole small blob files in one trip, each verified by size and its fast checksum (or its digest,
-    see the module docstring): (status, bytes) each, or (FAILED, the OSError). Reading one byte
-    more than the size finds a longer file without a stat."""
-    results: list[tuple[int, bytes | OSError]] = []
-    append = results.append
-    flags = os.O_RDONLY | os.O_CLOEXEC
-    for path, digest in items:
-        size = digest.size_bytes
-        try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
-            append((MISSING, b""))
-            continue
-        except OSError as e:
-            append((FAILED, e))
-            continue
-        try:
-            data = os.read(fd, size + 1)
-            if len(data) < size:  # a short read of a regular file is the end of it, unless a signal cut it
-                data += _read_rest(fd, size - len(data) + 1)
-            append((OK, data) if len(data) == size and _verified(fd, data, digest) else (DAMAGED, b""))
-        except OSError as e:
-            append((FAILED, e))
-        finally:
-            os.close(fd)
-    return results
-
-
-def _verified(fd: int, data: bytes, digest: Digest) -> bool:
-    """Whether the whole content `data` of the open blob file `fd` is right (`Check` in one step)."""
-    check = Check(digest)
-    check.start(fd)
-    check.update(data)
-    return check.finish(fd)
-
-
-def _read_rest(fd: int, wanted: int) -> bytes:
-    parts = []
-    while wanted > 0:
-        chunk = os.read(fd, wanted)
-        if not chunk:
-            break
-        parts.append(chunk)
-        wanted -= len(chunk)
-    return b"".join(parts)
-
-
-def read_file(path: str) -> bytes | None:
-    """A whole file (an action entry), or None if it is not there."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-
-
-def open_range(
-    path: str, size: int, offset: int, length: int, end: int, check: Check | None
-) -> tuple[int, int | None, bytes]:
-    """Open, check the size, read the first chunk (fed to `check`, when the whole blob is being
-    verified; finished if that was all), all in one hop; keep the fd only if more remains."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return MISSING, None, b""
-    try:
-        if os.fstat(fd).st_size != size:
-            os.close(fd)
-            return DAMAGED, None, b""
-        data = os.pread(fd, length, offset) if length else b""
-        if check is not None:
-            check.start(fd)
-            check.update(data)
-            if offset + len(data) >= end:
-                check.finish(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    if len(data) < length or offset + length >= end:
-        os.close(fd)
-        return OK, None, data
-    # The rest is read in order: a doubled read-ahead window reads a blob that is not in the page
-    # cache about twice as fast here (bench/RESULTS.md, "Write behind"). Advice only.
-    with contextlib.suppress(OSError):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return OK, fd, data
-
-
-def pread_checked(fd: int, length: int, offset: int, check: Check | None, last: bool) -> bytes:
-    """The next chunk of a streamed read, fed to `check` in the same worker hop (finished after the last)."""
-    data = os.pread(fd, length, offset)
-    if check is not None:
-        check.update(data)
-        if last:
-            check.finish(fd)
-    return data
-
-
-def stat_size(path: str) -> int | None:
-    """A file's size, or None if it is not there."""
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return None
-
-
-def close_opened(cf: concurrent.futures.Future[Any]) -> None:
-    """Done-callback for an open_range that finished after its caller was cancelled: close the fd."""
-    if not cf.cancelled() and cf.exception() is None:
-        fd = cf.result()[1]
-        if fd is not None:
-            os.close(fd)
 
 
 class TempFile:
@@ -427,6 +263,19 @@ class TempFile:
 STAGE_RUN = 4
 
 
+class _Stage:
+    """One stage of a Pipeline: its queue of (batch, bytes), the work each batch gets, whether a
+    run of it is in the pool, and what follows a batch's work (under no lock)."""
+
+    __slots__ = ("queue", "work", "then", "running")
+
+    def __init__(self, work: Callable[[list[bytes]], Any], then: Callable[[Any, int], None]) -> None:
+        self.queue: collections.deque[tuple[list[bytes], int]] = collections.deque()
+        self.work = work
+        self.then = then
+        self.running = False
+
+
 class Pipeline:
     """The batches of one streamed write, hashed then written in order by the store's workers
     without the event loop waiting for each: `put` queues a batch and returns at once; a hashing
@@ -442,9 +291,18 @@ class Pipeline:
     """
 
     __slots__ = (
-        "temp", "executor", "held", "error", "_lock", "_to_hash", "_to_write", "_hashing", "_writing",
-        "_stopped", "_waiter", "_most", "_quiet",
-    )  # fmt: skip
+        "temp",
+        "executor",
+        "held",
+        "error",
+        "_lock",
+        "_hash",
+        "_write",
+        "_stopped",
+        "_waiter",
+        "_most",
+        "_quiet",
+    )
 
     def __init__(self, temp: TempFile, executor: concurrent.futures.Executor) -> None:
         self.temp = temp
@@ -452,9 +310,9 @@ class Pipeline:
         self.held = 0
         self.error: BaseException | None = None
         self._lock = threading.Lock()
-        self._to_hash: collections.deque[tuple[list[bytes], int]] = collections.deque()
-        self._to_write: collections.deque[tuple[list[bytes], int]] = collections.deque()
-        self._hashing = self._writing = self._stopped = False
+        self._hash = _Stage(temp.digest_part, self._hashed)
+        self._write = _Stage(temp.append, self._written)
+        self._stopped = False
         self._waiter: concurrent.futures.Future[None] | None = None
         self._most = 0
         self._quiet: concurrent.futures.Future[None] | None = None
@@ -464,12 +322,10 @@ class Pipeline:
         with self._lock:
             if self._stopped or self.error is not None:
                 return
-            self._to_hash.append((parts, nbytes))
             self.held += nbytes
-            start = not self._hashing
-            self._hashing = True
+            start = self._queue(self._hash, parts, nbytes)
         if start:
-            self._start(self._hash_stage)
+            self._start(self._hash)
 
     def wait(self, most: int) -> concurrent.futures.Future[None] | None:
         """None if at most `most` bytes are held (or a stage failed); else a future done once that is so."""
@@ -485,23 +341,28 @@ class Pipeline:
         quiet: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             self._stopped = True
-            self._to_hash.clear()
-            self._to_write.clear()
-            if self._hashing or self._writing:
+            self._hash.queue.clear()
+            self._write.queue.clear()
+            if self._hash.running or self._write.running:
                 self._quiet = quiet
                 return quiet
         quiet.set_result(None)
         return quiet
 
-    def _start(self, stage: Callable[[], None]) -> None:
+    @staticmethod
+    def _queue(stage: _Stage, parts: list[bytes], nbytes: int) -> bool:
+        """Under the lock: queue a batch to `stage`; whether a run of it must be started."""
+        stage.queue.append((parts, nbytes))
+        start = not stage.running
+        stage.running = True
+        return start
+
+    def _start(self, stage: _Stage) -> None:
         try:
-            self.executor.submit(stage)
+            self.executor.submit(self._run, stage)
         except BaseException as e:  # the pool is shut down
             with self._lock:
-                if stage == self._hash_stage:
-                    self._hashing = False
-                else:
-                    self._writing = False
+                stage.running = False
                 self._fail(e)
             self._wake()
 
@@ -509,8 +370,8 @@ class Pipeline:
         """Under the lock: the first error stops both stages."""
         if self.error is None:
             self.error = error
-        self._to_hash.clear()
-        self._to_write.clear()
+        self._hash.queue.clear()
+        self._write.queue.clear()
 
     def _wake(self) -> None:
         """Resolve the loop's wait and stop's future if their condition holds now."""
@@ -519,64 +380,51 @@ class Pipeline:
             if self._waiter is not None and (self.error is not None or self.held <= self._most):
                 done.append(self._waiter)
                 self._waiter = None
-            if self._quiet is not None and not (self._hashing or self._writing):
+            if self._quiet is not None and not (self._hash.running or self._write.running):
                 done.append(self._quiet)
                 self._quiet = None
         for future in done:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # the loop gave up waiting
                 future.set_result(None)
 
-    def _hash_stage(self) -> None:
+    def _run(self, stage: _Stage) -> None:
+        """One run of a stage in the pool: up to STAGE_RUN batches, in order."""
         for _ in range(STAGE_RUN):
             with self._lock:
-                if self._stopped or self.error is not None or not self._to_hash:
-                    self._hashing = False
+                if self._stopped or self.error is not None or not stage.queue:
+                    stage.running = False
                     break
-                parts, nbytes = self._to_hash.popleft()
+                parts, nbytes = stage.queue.popleft()
             try:
-                parts = self.temp.digest_part(parts)
-            except BaseException as e:
-                with self._lock:
-                    self._fail(e)
-                continue
-            with self._lock:
-                if self._stopped or self.error is not None:
-                    continue
-                self._to_write.append((parts, nbytes))
-                start = not self._writing
-                self._writing = True
-            del parts
-            if start:
-                self._start(self._write_stage)
-        else:  # still running: to the back of the pool's queue
-            self._start(self._hash_stage)
-            return
-        self._wake()
-
-    def _write_stage(self) -> None:
-        for _ in range(STAGE_RUN):
-            with self._lock:
-                if self._stopped or self.error is not None or not self._to_write:
-                    self._writing = False
-                    break
-                parts, nbytes = self._to_write.popleft()
-            try:
-                self.temp.append(parts)
+                done = stage.work(parts)
             except BaseException as e:
                 with self._lock:
                     self._fail(e)
                 continue
             finally:
-                del parts
-            with self._lock:
-                self.held -= nbytes
-                wake = self._waiter is not None and self.held <= self._most
-            if wake:
-                self._wake()
-        else:
-            self._start(self._write_stage)
+                del parts  # a written batch is freed now, not when the next one is taken
+            stage.then(done, nbytes)
+            del done
+        else:  # still running: to the back of the pool's queue
+            self._start(stage)
             return
         self._wake()
+
+    def _hashed(self, parts: list[bytes], nbytes: int) -> None:
+        """After a batch's hash: to the writing stage."""
+        with self._lock:
+            if self._stopped or self.error is not None:
+                return
+            start = self._queue(self._write, parts, nbytes)
+        if start:
+            self._start(self._write)
+
+    def _written(self, _: None, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+            wake = self._waiter is not None and self.held <= self._most
+        if wake:
+            self._wake()
 
 
 def replace_durably(tmp_dir: str, final: str, parts: list[bytes]) -> None:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
-from buildvault.storage.disk import fileops, layout, records
+from buildvault.storage.disk import fileops, filereads, layout, records
 from buildvault.storage.disk.core import SMALL_OP, Core
 from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
 
@@ -63,16 +63,16 @@ class Reader:
             if size <= core.index.limit:  # a record, checked whole
                 status, data = await core.ops.submit(records.get_one, (core.records, key, offset, end))
             elif size <= SMALL_OP:  # whole and verified, in a coalesced trip; no file stays open
-                status, data = await core.ops.submit(fileops.read_small, (path, digest, offset, end))
+                status, data = await core.ops.submit(filereads.read_small, (path, digest, offset, end))
             else:
                 if offset == 0 and end == size:  # the whole blob: verified on the way
-                    verification = Verification(fileops.Check(digest), lambda: core.drop_damaged(key))
+                    verification = Verification(filereads.Check(digest), lambda: core.drop_damaged(key))
                 check = verification.check if verification is not None else None
-                cf = core.executor.submit(fileops.open_range, path, size, offset, first, end, check)
+                cf = core.executor.submit(filereads.open_range, path, size, offset, first, end, check)
                 try:
                     status, fd, data = await asyncio.wrap_future(cf)
                 except asyncio.CancelledError:
-                    cf.add_done_callback(fileops.close_opened)
+                    cf.add_done_callback(filereads.close_opened)
                     raise
         except OSError as e:
             raise fileops.storage_error(e, f"reading {digest}") from e
@@ -129,7 +129,7 @@ class Reader:
         if record_batch:
             waits.append(core.ops.submit(records.get_many, (core.records, record_batch), 0))
         if batch:
-            waits.append(core.ops.submit(fileops.read_many, (batch,), 0))
+            waits.append(core.ops.submit(filereads.read_many, (batch,), 0))
         found_lists = await asyncio.gather(*waits)
         groups = ([record_where] if record_batch else []) + ([where] if batch else [])
         for group, found in zip(groups, found_lists, strict=True):
@@ -205,7 +205,7 @@ class Reader:
                 if status != fileops.OK:
                     data = None
             else:
-                data = await core.ops.submit(fileops.read_file, (core.layout.path(key),))
+                data = await core.ops.submit(filereads.read_file, (core.layout.path(key),))
         except OSError as e:
             raise fileops.storage_error(e, f"reading {namespace!r} entry {digest}") from e
         if data is None:
@@ -226,7 +226,7 @@ class Verification:
 
     __slots__ = ("check", "damaged")
 
-    def __init__(self, check: fileops.Check, damaged: Callable[[], None]) -> None:
+    def __init__(self, check: filereads.Check, damaged: Callable[[], None]) -> None:
         self.check = check
         self.damaged = damaged  # drops the entry from the index (and deletes its file)
 
@@ -300,7 +300,7 @@ class FileChunks:
             check = self._verification.check if self._verification is not None else None
             last = self._pos + self._ahead_len >= self._end
             self._ahead = self._executor.submit(
-                fileops.pread_checked, self._fd, self._ahead_len, self._pos, check, last
+                filereads.pread_checked, self._fd, self._ahead_len, self._pos, check, last
             )
         else:
             self._close()

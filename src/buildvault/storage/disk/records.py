@@ -46,7 +46,7 @@ from typing import Any
 import lmdb
 
 from buildvault.digest import Digest, raw_hash
-from buildvault.storage.disk import fileops
+from buildvault.storage.disk import fileops, filereads
 from buildvault.storage.disk.fileops import DAMAGED, FAILED, MISSING, OK
 from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, SIZE_BYTES, cas_size
 
@@ -259,7 +259,7 @@ def present(records: Records, keys: list[bytes]) -> list[bool]:
 def sizes_of(recs: Records, paths: list[str], keys: list[bytes], in_records: list[bool]) -> list[int | None]:
     """The size of each file (None: gone) and each record (its key's size, or None: gone), in order
     (the re-check of suspects: core.py)."""
-    file_sizes = iter([fileops.stat_size(path) for path in paths])
+    file_sizes = iter([filereads.stat_size(path) for path in paths])
     found = iter(present(recs, keys) if keys else [])
     key_sizes = iter([int.from_bytes(key[33:], "big") for key in keys])
     out: list[int | None] = []
