@@ -59,7 +59,7 @@ def test_lint_fails_on_a_ruff_finding(tmp_path: Path) -> None:
 
 
 def test_lint_fails_on_a_type_error_ruff_accepts(tmp_path: Path) -> None:
-    mistyped = CLEAN + "\n\ndef count(values: dict[str, int]) -> int:\n    return str(len(values))\n"
+    mistyped = CLEAN + '\n\ndef count(values: dict[str, int]) -> int:\n    return str(len(values))\n'
     untyped = CLEAN + "\n\ndef size(values):\n    return len(values)\n"
     proc = _lint(_module(tmp_path, "mistyped.py", mistyped), _module(tmp_path, "untyped.py", untyped))
     assert proc.returncode != 0

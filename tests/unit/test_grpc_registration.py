@@ -21,10 +21,8 @@ def requests(metrics: Metrics, status: str) -> float:
     for family in text_string_to_metric_families(metrics.render().decode()):
         for s in family.samples:
             labels = s.labels
-            if (
-                s.name == "buildvault_requests_total"
-                and labels.get("method") == "GetActionResult"
-                and (labels.get("kind") == "ac" and labels.get("status") == status)
+            if s.name == "buildvault_requests_total" and labels.get("method") == "GetActionResult" and (
+                labels.get("kind") == "ac" and labels.get("status") == status
             ):
                 return s.value
     return 0.0

@@ -10,15 +10,8 @@ HASH = "ab" * 32
 
 def test_parse_artifact_key() -> None:
     assert pins.parse_artifact_key(f"{HASH}/142".encode()) == (HASH, 142)
-    for bad in (
-        b"",
-        HASH.encode(),
-        f"{HASH}/".encode(),
-        f"{HASH}/-1".encode(),
-        f"{HASH[:-1]}/1".encode(),
-        f"{HASH.upper()}/1".encode(),
-        b"\xff" * 66,
-    ):
+    for bad in (b"", HASH.encode(), f"{HASH}/".encode(), f"{HASH}/-1".encode(), f"{HASH[:-1]}/1".encode(),
+                f"{HASH.upper()}/1".encode(), b"\xff" * 66):
         assert pins.parse_artifact_key(bad) is None, bad
 
 

@@ -183,7 +183,9 @@ def test_action_and_command_field_numbers() -> None:
         "output_node_properties": 8,
         "output_directory_format": 9,
     }
-    deprecated = {f.name for f in re_pb2.Command.DESCRIPTOR.fields if f.GetOptions().deprecated}
+    deprecated = {
+        f.name for f in re_pb2.Command.DESCRIPTOR.fields if f.GetOptions().deprecated
+    }
     assert deprecated == {"output_files", "output_directories", "platform"}
 
 
@@ -280,7 +282,9 @@ def test_enums() -> None:
         "FAST_CDC_2020": 1,
         "REP_MAX_CDC": 2,
     }
-    assert re_pb2.Command.OutputDirectoryFormat.DESCRIPTOR.values_by_name["TREE_AND_DIRECTORY"].number == 2
+    assert re_pb2.Command.OutputDirectoryFormat.DESCRIPTOR.values_by_name[
+        "TREE_AND_DIRECTORY"
+    ].number == 2
 
 
 def test_capabilities_field_numbers() -> None:
@@ -448,7 +452,9 @@ def test_serialised_bytes_match_hand_encoding() -> None:
         stdout_digest=re_pb2.Digest(hash="ab", size_bytes=2),
         output_symlinks=[re_pb2.OutputSymlink(path="l", target="t")],
     )
-    assert result.SerializeToString(deterministic=True) == bytes.fromhex("200132060a026162100262060a016c120174")
+    assert result.SerializeToString(deterministic=True) == bytes.fromhex(
+        "2001" "3206" "0a026162" "1002" "6206" "0a016c" "120174"
+    )
 
     # CacheCapabilities: packed enums (1), int64 (8), bool (9), message (12).
     caps = re_pb2.CacheCapabilities(
@@ -457,7 +463,9 @@ def test_serialised_bytes_match_hand_encoding() -> None:
         split_blob_support=True,
         rep_max_cdc_params=re_pb2.RepMaxCdcParams(min_chunk_size_bytes=64, horizon_size_bytes=128),
     )
-    assert caps.SerializeToString(deterministic=True) == bytes.fromhex("0a020109408008480162050840108001")
+    assert caps.SerializeToString(deterministic=True) == bytes.fromhex(
+        "0a020109" "408008" "4801" "6205" "0840" "108001"
+    )
 
     # ByteStream WriteRequest: data is field 10 -> tag 0x52.
     write = bs_pb2.WriteRequest(resource_name="u", write_offset=5, finish_write=True, data=b"x")

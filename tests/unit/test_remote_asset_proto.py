@@ -83,22 +83,10 @@ def test_the_services_have_the_specified_methods() -> None:
     }
     assert shapes == {
         ("build.bazel.remote.asset.v1.Fetch", "FetchBlob", "FetchBlobRequest", "FetchBlobResponse", False, False),
-        (
-            "build.bazel.remote.asset.v1.Fetch",
-            "FetchDirectory",
-            "FetchDirectoryRequest",
-            "FetchDirectoryResponse",
-            False,
-            False,
-        ),
+        ("build.bazel.remote.asset.v1.Fetch", "FetchDirectory", "FetchDirectoryRequest", "FetchDirectoryResponse",
+         False, False),
         ("build.bazel.remote.asset.v1.Push", "PushBlob", "PushBlobRequest", "PushBlobResponse", False, False),
-        (
-            "build.bazel.remote.asset.v1.Push",
-            "PushDirectory",
-            "PushDirectoryRequest",
-            "PushDirectoryResponse",
-            False,
-            False,
-        ),
+        ("build.bazel.remote.asset.v1.Push", "PushDirectory", "PushDirectoryRequest", "PushDirectoryResponse",
+         False, False),
     }
     assert hasattr(ra_grpc, "add_FetchServicer_to_server") and hasattr(ra_grpc, "add_PushServicer_to_server")

@@ -369,12 +369,7 @@ async def test_batches_of_whole_blobs(store: BlobStore) -> None:
     ]
     outcomes = await store.write_blobs(items)
     assert [type(o).__name__ if o else None for o in outcomes] == [
-        None,
-        "DigestMismatch",
-        "DigestMismatch",
-        None,
-        None,
-        "DigestMismatch",
+        None, "DigestMismatch", "DigestMismatch", None, None, "DigestMismatch"
     ]
     results = await store.read_blobs([Digest.of(small), Digest.of(other), Digest.of(big), Digest.of(stored)])
     assert results[0] == small and isinstance(results[1], NotFound)
