@@ -234,7 +234,7 @@ async def test_error_codes_are_those_of_one_process(buildvault_server_factory, p
     assert len(secondaries(server)) == processes - 1
     absent = digest(os.urandom(64))
     data = blob(1000)
-    async with many(server.grpc_address, 8) as clients:
+    async with many(server.grpc_address) as clients:
         for stubs in clients:  # each connection, whichever process it landed on
             read_absent = read(stubs, absent)
             assert await code_of(read_absent) == grpc.StatusCode.NOT_FOUND
