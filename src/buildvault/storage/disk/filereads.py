@@ -1,4 +1,5 @@
-"""Reading blob and entry files back in the store's worker threads, every whole read verified.
+"""Reading blob and entry files back in the store's worker threads (a streamed chunk the page
+cache holds, on the event loop: `pread_cached`), every whole read verified.
 
 A whole read (`read_many`, `open_range` + `Check`) verifies the file's fast checksum
 (fileops.FAST_XATTR, XXH3-64) instead of its digest. A file without one (written before it was
@@ -20,9 +21,12 @@ from buildvault.storage import fastsum
 from buildvault.storage.disk import fileops
 from buildvault.storage.disk.fileops import DAMAGED, FAILED, MISSING, OK
 
+NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # Linux: a read that fails rather than wait for the disk
+
 
 class Check:
-    """The verification of one whole-file read, fed in order in the worker threads: the fast
+    """The verification of one whole-file read, fed in order one chunk at a time (in the worker
+    threads, or on the event loop for a chunk read from the page cache): the fast
     checksum recorded with the file, or (a file without one) its digest, recording the checksum
     once the digest matched. `ok` once `finish` found the content right."""
 
@@ -158,6 +162,26 @@ def open_range(
 def pread_checked(fd: int, length: int, offset: int, check: Check | None, last: bool) -> bytes:
     """The next chunk of a streamed read, fed to `check` in the same worker hop (finished after the last)."""
     data = os.pread(fd, length, offset)
+    if check is not None:
+        check.update(data)
+        if last:
+            check.finish(fd)
+    return data
+
+
+def pread_cached(fd: int, length: int, offset: int, check: Check | None, last: bool) -> bytes | None:
+    """`pread_checked` on the event loop: the chunk if the page cache holds all of it (RWF_NOWAIT:
+    never waits for the disk); None if any of it would wait, or on any error (the worker's read
+    of the same chunk then reports it). One copy more than os.pread, which takes no flags."""
+    if NOWAIT is None:
+        return None
+    buffer = bytearray(length)
+    try:
+        if os.preadv(fd, [buffer], offset, NOWAIT) != length:
+            return None
+    except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without such reads
+        return None
+    data = bytes(buffer)
     if check is not None:
         check.update(data)
         if last:
