@@ -169,15 +169,15 @@ def pread_checked(fd: int, length: int, offset: int, check: Check | None, last: 
     return data
 
 
-def pread_cached(fd: int, length: int, offset: int, check: Check | None, last: bool) -> bytes | None:
-    """`pread_checked` on the event loop: the chunk if the page cache holds all of it (RWF_NOWAIT:
-    never waits for the disk); None if any of it would wait, or on any error (the worker's read
-    of the same chunk then reports it). One copy more than os.pread, which takes no flags."""
+def pread_cached(fd: int, buffer: memoryview, offset: int, check: Check | None, last: bool) -> bytes | None:
+    """`pread_checked` on the event loop, through `buffer` (as long as the chunk): the chunk if the
+    page cache holds all of it (RWF_NOWAIT: never waits for the disk); None if any of it would
+    wait, or on any error (the worker's read of the same chunk then reports it). One copy more
+    than os.pread, which takes no flags."""
     if NOWAIT is None:
         return None
-    buffer = bytearray(length)
     try:
-        if os.preadv(fd, [buffer], offset, NOWAIT) != length:
+        if os.preadv(fd, [buffer], offset, NOWAIT) != len(buffer):
             return None
     except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without such reads
         return None

@@ -266,6 +266,7 @@ class FileChunks:
         self._ahead: concurrent.futures.Future[bytes] | None = None
         self._ahead_len = 0
         self._from_cache = filereads.NOWAIT is not None and (verification is None or verification.check.full is None)
+        self._buffer: bytearray | None = None  # what a read from the page cache lands in, then copied
 
     def __aiter__(self) -> FileChunks:
         return self
@@ -321,7 +322,10 @@ class FileChunks:
         (from then on the rest is read in the workers, one chunk ahead) or at the end."""
         if not self._from_cache or self._fd is None:
             return None
-        data = filereads.pread_cached(self._fd, self._ahead_len, self._pos, *self._check_and_last())
+        if self._buffer is None:
+            self._buffer = bytearray(self._ahead_len)  # the largest: chunks only shrink towards the end
+        into = memoryview(self._buffer)[: self._ahead_len]
+        data = filereads.pread_cached(self._fd, into, self._pos, *self._check_and_last())
         if data is None:
             self._from_cache = False
             self._read_ahead()
@@ -335,6 +339,7 @@ class FileChunks:
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is None:
             return
+        self._buffer = None
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not ahead.cancel() and not ahead.done():
             ahead.add_done_callback(lambda _f: os.close(fd))
