@@ -240,7 +240,8 @@ class FileChunks:
     read, server CPU 46-48 -> 39-40 ms and 1,176-1,240 -> 1,358-1,447 MiB/s. From the first chunk
     that is not all cached on, the rest is read in the worker threads one chunk ahead, so disk and
     consumer overlap. A blob checked by its digest (a file without its fast checksum) is read in
-    the workers throughout: SHA-256 is too slow for the loop.
+    the workers throughout: SHA-256 is too slow for the loop. The loop pays the read, the copy
+    and the check, about 0.15 ms per MiB here: some 6 GB/s of cached reads a process.
 
     Holding the fd is what keeps an evicted (unlinked) blob readable. The fd is closed at the end,
     on aclose(), or when the iterator is collected; never while a read on it is still running.
