@@ -1,6 +1,10 @@
 """Streamed reads of a blob file: the chunks the page cache holds are read on the event loop
 (RWF_NOWAIT, no worker trip each); from the first chunk that is not all cached on, the rest is
-read in the worker threads; either way the whole blob is verified before its last chunk."""
+read in the worker threads; either way the whole blob is verified before its last chunk.
+
+The kernel's answer to an RWF_NOWAIT read is played by `page_cache` (the real read without the
+flag, or EAGAIN past a given offset), so every filesystem shows the same cache: tmpfs, for one,
+refuses every such read (EOPNOTSUPP), which the last test covers."""
 
 from __future__ import annotations
 
@@ -33,19 +37,33 @@ def worker_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return offsets
 
 
-def not_cached_from(monkeypatch: pytest.MonkeyPatch, offset: int) -> None:
-    """Every RWF_NOWAIT read reaching past `offset` fails as the kernel's does when a page it
-    wants is not in the page cache (EAGAIN); reads that may wait are untouched."""
-    real = os.preadv
-    nowait = filereads.NOWAIT
-    assert nowait is not None, "this platform has no RWF_NOWAIT: every chunk would go to the workers"
+class PageCache:
+    """RWF_NOWAIT reads as the kernel answers them: the bytes while the range is cached (up to
+    `cached_up_to`), EAGAIN past it; `refused`: EOPNOTSUPP for every one (a filesystem without
+    them). Reads without the flag are untouched."""
 
-    def preadv(fd: int, buffers: list[bytearray], at: int, flags: int = 0) -> int:
-        if flags & nowait and at + sum(map(len, buffers)) > offset:
-            raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
-        return real(fd, buffers, at, flags)
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.cached_up_to = SIZE
+        self.refused = False
+        nowait = filereads.NOWAIT
+        assert nowait is not None, "this platform has no RWF_NOWAIT: every chunk would go to the workers"
+        real = os.preadv
 
-    monkeypatch.setattr(os, "preadv", preadv)
+        def preadv(fd: int, buffers: list[memoryview], at: int, flags: int = 0) -> int:
+            if not flags & nowait:
+                return real(fd, buffers, at, flags)
+            if self.refused:
+                raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+            if at + sum(map(len, buffers)) > self.cached_up_to:
+                raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+            return real(fd, buffers, at, flags & ~nowait)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+
+
+@pytest.fixture
+def page_cache(monkeypatch: pytest.MonkeyPatch) -> PageCache:
+    return PageCache(monkeypatch)
 
 
 async def stored(storage: DiskStorage) -> tuple[Digest, bytes]:
@@ -56,7 +74,7 @@ async def stored(storage: DiskStorage) -> tuple[Digest, bytes]:
 
 
 async def test_a_cached_file_is_streamed_without_a_worker_trip_per_chunk(
-    tmp_path: Path, worker_reads: list[int]
+    tmp_path: Path, worker_reads: list[int], page_cache: PageCache
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage)
@@ -66,18 +84,18 @@ async def test_a_cached_file_is_streamed_without_a_worker_trip_per_chunk(
 
 
 async def test_from_the_first_chunk_not_cached_the_rest_is_read_in_the_workers(
-    tmp_path: Path, worker_reads: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, worker_reads: list[int], page_cache: PageCache
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage)
-        not_cached_from(monkeypatch, 2 * MiB + 1)
+        page_cache.cached_up_to = 2 * MiB + 1
         assert await read_all(storage, digest) == data  # verified across loop and worker chunks
         assert worker_reads == [2 * MiB, 3 * MiB, 4 * MiB]
 
 
 @pytest.mark.parametrize("cached_up_to", [SIZE, 2 * MiB + 1])
 async def test_a_damaged_file_fails_before_its_last_chunk_wherever_its_chunks_are_read(
-    tmp_path: Path, worker_reads: list[int], monkeypatch: pytest.MonkeyPatch, cached_up_to: int
+    tmp_path: Path, worker_reads: list[int], page_cache: PageCache, cached_up_to: int
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage)
@@ -85,7 +103,7 @@ async def test_a_damaged_file_fails_before_its_last_chunk_wherever_its_chunks_ar
         with open(path, "r+b") as f:  # one byte changed in place: the file keeps its checksum
             f.seek(3 * MiB + 7)
             f.write(bytes([data[3 * MiB + 7] ^ 0x40]))
-        not_cached_from(monkeypatch, cached_up_to)
+        page_cache.cached_up_to = cached_up_to
         received = 0
         with pytest.raises(NotFound):
             async for chunk in await storage.cas.read(digest):
@@ -95,7 +113,9 @@ async def test_a_damaged_file_fails_before_its_last_chunk_wherever_its_chunks_ar
         assert await storage.cas.find_missing([digest]) == [digest]
 
 
-async def test_a_file_checked_by_its_digest_is_read_in_the_workers(tmp_path: Path, worker_reads: list[int]) -> None:
+async def test_a_file_checked_by_its_digest_is_read_in_the_workers(
+    tmp_path: Path, worker_reads: list[int], page_cache: PageCache
+) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage)
         path = blob_path(tmp_path, digest)
@@ -106,3 +126,13 @@ async def test_a_file_checked_by_its_digest_is_read_in_the_workers(tmp_path: Pat
         worker_reads.clear()
         assert await read_all(storage, digest) == data
         assert worker_reads == []
+
+
+async def test_where_the_filesystem_refuses_such_reads_the_workers_read_every_chunk(
+    tmp_path: Path, worker_reads: list[int], page_cache: PageCache
+) -> None:
+    async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
+        digest, data = await stored(storage)
+        page_cache.refused = True
+        assert await read_all(storage, digest) == data
+        assert worker_reads == [MiB, 2 * MiB, 3 * MiB, 4 * MiB]

@@ -237,11 +237,12 @@ class FileChunks:
 
     A chunk the page cache holds is read on the event loop (RWF_NOWAIT: the read fails rather than
     wait for the disk). A worker trip per chunk cost more than the read: on the bench's 64 MiB
-    read, server CPU 46-48 -> 39-40 ms and 1,176-1,240 -> 1,358-1,447 MiB/s. From the first chunk
-    that is not all cached on, the rest is read in the worker threads one chunk ahead, so disk and
-    consumer overlap. A blob checked by its digest (a file without its fast checksum) is read in
-    the workers throughout: SHA-256 is too slow for the loop. The loop pays the read, the copy
-    and the check, about 0.15 ms per MiB here: some 6 GB/s of cached reads a process.
+    read, server CPU 46-48 -> 39-40 ms and 1,176-1,240 -> 1,358-1,447 MiB/s. The loop pays the
+    read, the copy and the check, about 0.15 ms per MiB here: some 6 GB/s of cached reads a
+    process. From the first chunk that is not all cached on, the rest is read in the worker
+    threads one chunk ahead, so disk and consumer overlap; so is all of a file on a filesystem
+    that refuses such reads (tmpfs: EOPNOTSUPP), and of a blob checked by its digest (a file
+    without its fast checksum): SHA-256 is too slow for the loop.
 
     Holding the fd is what keeps an evicted (unlinked) blob readable. The fd is closed at the end,
     on aclose(), or when the iterator is collected; never while a read on it is still running.
