@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,7 +23,9 @@ import required_tools  # noqa: E402
 from bazel_harness import BazelWorkspace  # noqa: E402
 from podman import Podman  # noqa: E402
 
-IMAGE_TAG = "localhost/buildvault-test:latest"
+# One tag per test session: two sessions on one machine (two checkouts' CI) must not remove or
+# replace each other's image.
+IMAGE_TAG = f"localhost/buildvault-test:{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture(scope="session")
