@@ -1,10 +1,10 @@
 """File operations that run in the store's worker threads, never on the event loop.
 
 Whole small entries (verify + temp file + rename, unlinks) in as few syscalls as possible
-(reading files back, verified, is filereads.py), the streaming temp file of large writes (`TempFile`) and the ordered
-hash-then-write stages its batches go through (`Pipeline`), the durable
-replacement of a small metadata file (`replace_durably`), and the mapping of OSErrors to
-storage errors.
+(reading files back, verified, is filereads.py), the streaming temp file of large writes
+(`TempFile`) and the ordered hash-then-write stages its batches go through (`Pipeline`), the
+durable replacement of a small metadata file (`replace_durably`), and the mapping of OSErrors
+to storage errors.
 
 The fast checksum of a blob file (storage/fastsum.py, XXH3-64) is an extended attribute of the
 file (`FAST_XATTR`), set on the temp file before its rename, so it is in place exactly when the
@@ -291,18 +291,8 @@ class Pipeline:
     """
 
     __slots__ = (
-        "temp",
-        "executor",
-        "held",
-        "error",
-        "_lock",
-        "_hash",
-        "_write",
-        "_stopped",
-        "_waiter",
-        "_most",
-        "_quiet",
-    )
+        "temp", "executor", "held", "error", "_lock", "_hash", "_write", "_stopped", "_waiter", "_most", "_quiet",
+    )  # fmt: skip
 
     def __init__(self, temp: TempFile, executor: concurrent.futures.Executor) -> None:
         self.temp = temp

@@ -143,9 +143,7 @@ def open_range(
         data = os.pread(fd, length, offset) if length else b""
         if check is not None:
             check.start(fd)
-            check.update(data)
-            if offset + len(data) >= end:
-                check.finish(fd)
+            _fed(data, fd, check, offset + len(data) >= end)
     except BaseException:
         os.close(fd)
         raise
@@ -161,12 +159,7 @@ def open_range(
 
 def pread_checked(fd: int, length: int, offset: int, check: Check | None, last: bool) -> bytes:
     """The next chunk of a streamed read, fed to `check` in the same worker hop (finished after the last)."""
-    data = os.pread(fd, length, offset)
-    if check is not None:
-        check.update(data)
-        if last:
-            check.finish(fd)
-    return data
+    return _fed(os.pread(fd, length, offset), fd, check, last)
 
 
 def pread_cached(fd: int, buffer: memoryview, offset: int, check: Check | None, last: bool) -> bytes | None:
@@ -181,7 +174,11 @@ def pread_cached(fd: int, buffer: memoryview, offset: int, check: Check | None, 
             return None
     except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without such reads
         return None
-    data = bytes(buffer)
+    return _fed(bytes(buffer), fd, check, last)
+
+
+def _fed(data: bytes, fd: int, check: Check | None, last: bool) -> bytes:
+    """`data`, a streamed read's next chunk, fed to `check` (finished after the last chunk)."""
     if check is not None:
         check.update(data)
         if last:
