@@ -83,14 +83,26 @@ async def test_a_cached_file_is_streamed_without_a_worker_trip_per_chunk(
         assert worker_reads == []
 
 
-async def test_from_the_first_chunk_not_cached_the_rest_is_read_in_the_workers(
-    tmp_path: Path, worker_reads: list[int], page_cache: PageCache
+@pytest.mark.parametrize(
+    ("cached_up_to", "refused", "in_workers"),
+    [
+        (2 * MiB + 1, False, [2 * MiB, 3 * MiB, 4 * MiB]),  # not cached past 2 MiB
+        (SIZE, True, [MiB, 2 * MiB, 3 * MiB, 4 * MiB]),  # a filesystem that refuses such reads (tmpfs)
+    ],
+)
+async def test_from_the_first_chunk_the_page_cache_does_not_give_the_rest_is_read_in_the_workers(
+    tmp_path: Path,
+    worker_reads: list[int],
+    page_cache: PageCache,
+    cached_up_to: int,
+    refused: bool,
+    in_workers: list[int],
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage)
-        page_cache.cached_up_to = 2 * MiB + 1
+        page_cache.cached_up_to, page_cache.refused = cached_up_to, refused
         assert await read_all(storage, digest) == data  # verified across loop and worker chunks
-        assert worker_reads == [2 * MiB, 3 * MiB, 4 * MiB]
+        assert worker_reads == in_workers
 
 
 @pytest.mark.parametrize("cached_up_to", [SIZE, 2 * MiB + 1])
@@ -126,13 +138,3 @@ async def test_a_file_checked_by_its_digest_is_read_in_the_workers(
         worker_reads.clear()
         assert await read_all(storage, digest) == data
         assert worker_reads == []
-
-
-async def test_where_the_filesystem_refuses_such_reads_the_workers_read_every_chunk(
-    tmp_path: Path, worker_reads: list[int], page_cache: PageCache
-) -> None:
-    async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
-        digest, data = await stored(storage)
-        page_cache.refused = True
-        assert await read_all(storage, digest) == data
-        assert worker_reads == [MiB, 2 * MiB, 3 * MiB, 4 * MiB]
