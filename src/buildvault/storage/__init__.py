@@ -40,7 +40,7 @@ import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.digest import Digest, DigestFunction, Hasher, InvalidDigest
 
 __all__ = [
     "ActionStore",
@@ -57,6 +57,7 @@ __all__ = [
     "Verified",
     "ac_namespace",
     "as_pairs",
+    "check_content",
     "close_chunks",
     "find_missing_indices_by_digests",
     "read_blobs_one_by_one",
@@ -80,6 +81,16 @@ class NotFound(StorageError):
 
 class DigestMismatch(StorageError, ValueError):
     """The written bytes do not match the declared digest (size or hash). Nothing was stored."""
+
+
+def check_content(digest: Digest, size: int, hasher: Hasher) -> None:
+    """Raise DigestMismatch unless the `size` bytes fed to `hasher` are the blob `digest` names:
+    the check every store makes before a blob becomes visible."""
+    if size != digest.size_bytes:
+        raise DigestMismatch(f"blob {digest}: got {size} bytes, declared {digest.size_bytes}")
+    actual = hasher.hexdigest()
+    if actual != digest.hash:
+        raise DigestMismatch(f"blob {digest}: content hashes to {actual}")
 
 
 class CapacityExceeded(StorageError):

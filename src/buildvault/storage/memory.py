@@ -12,6 +12,7 @@ from buildvault.storage import (
     InvalidRange,
     NotFound,
     OneByOneBatches,
+    check_content,
 )
 
 
@@ -28,11 +29,7 @@ async def collect_verified(digest: Digest, chunks: AsyncIterable[bytes], limit: 
             raise CapacityExceeded(f"blob {digest} is larger than the store's {limit} bytes")
         hasher.update(chunk)
         parts.append(chunk)
-    if size != digest.size_bytes:
-        raise DigestMismatch(f"blob {digest}: got {size} bytes, declared {digest.size_bytes}")
-    actual = hasher.hexdigest()
-    if actual != digest.hash:
-        raise DigestMismatch(f"blob {digest}: content hashes to {actual}")
+    check_content(digest, size, hasher)
     return b"".join(parts)
 
 

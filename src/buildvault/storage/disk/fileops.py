@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from buildvault.digest import Digest, Hasher, new_hasher
-from buildvault.storage import DigestMismatch, StorageError, StorageFull, fastsum
+from buildvault.storage import StorageError, StorageFull, check_content, fastsum
 
 log = logging.getLogger("buildvault.storage.disk")
 
@@ -134,12 +134,10 @@ def record_sum(fd: int, value: bytes) -> None:
 
 
 def check_hash(data: bytes, digest: Digest) -> None:
-    """Raise DigestMismatch unless `data` hashes to `digest`."""
+    """Raise DigestMismatch unless `data` is the blob `digest` names (in a worker thread)."""
     hasher = new_hasher(digest.function)
     hasher.update(data)
-    actual = hasher.hexdigest()
-    if actual != digest.hash:
-        raise DigestMismatch(f"blob {digest}: content hashes to {actual}")
+    check_content(digest, len(data), hasher)
 
 
 def write_small(tmp_dir: str, final: str, data: bytes, digest: Digest | None, fast: bytes | None = None) -> None:
@@ -175,13 +173,6 @@ def write_many(items: list[tuple[str, str, bytes, Digest | None, bytes | None]])
         except Exception as e:  # that item's outcome
             results.append(e)
     return results
-
-
-def content_matches(data: bytes, digest: Digest) -> bool:
-    """Whether `data` hashes to `digest` (a read re-verifies: a file can rot or be edited in place)."""
-    hasher = new_hasher(digest.function)
-    hasher.update(data)
-    return hasher.hexdigest() == digest.hash
 
 
 class TempFile:

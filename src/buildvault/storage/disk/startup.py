@@ -273,7 +273,7 @@ def migrate(recs: Records, files: list[tuple[bytes, int, str]]) -> list[tuple[by
     for start in range(0, len(files), MIGRATE_BATCH):
         batch: list[records.PutItem] = []
         paths: list[str] = []
-        for key, size, path in files[start : start + MIGRATE_BATCH]:
+        for key, _size, path in files[start : start + MIGRATE_BATCH]:
             try:
                 with open(path, "rb") as f:
                     data = f.read()
@@ -283,7 +283,7 @@ def migrate(recs: Records, files: list[tuple[bytes, int, str]]) -> list[tuple[by
             digest = None
             if key[0] != AC_TAG:
                 digest = Digest(key[1:33].hex(), cas_size(key), FN_BY_BYTE[key[0]])
-                if len(data) != size or not fileops.content_matches(data, digest):
+                if Digest.of(data, digest.function) != digest:
                     log.error("%s is damaged: deleting it", path)
                     fileops.unlink_quiet(path)
                     continue

@@ -47,6 +47,7 @@ from buildvault.storage import (
     OneByOneBatches,
     StorageError,
     Unavailable,
+    check_content,
 )
 from buildvault.storage.objectstore.client import DaemonThreadPool, make_s3_client
 from buildvault.storage.objectstore.errors import map_error
@@ -78,6 +79,7 @@ REQUEST_KINDS = (
     "MULTIPART_COMPLETE",
     "MULTIPART_ABORT",
 )
+
 
 class CorruptObject(NotFound):
     """The bucket holds an object under the blob's key whose bytes do not match the digest.
@@ -347,7 +349,7 @@ class ObjectStore(OneByOneBatches):
                 else:
                     hasher.update(chunk)
                     parts.append(chunk)
-            _check_digest(digest, size, hasher)
+            check_content(digest, size, hasher)
             if spool is not None:
                 await self._run(spool.seek, 0)
                 body: Any = spool
@@ -404,7 +406,7 @@ class ObjectStore(OneByOneBatches):
                     data = bytes(buffer[:part_size])
                     del buffer[:part_size]
                     await flush(data)
-            _check_digest(digest, size, hasher)
+            check_content(digest, size, hasher)
             if buffer or not parts:
                 await flush(bytes(buffer))
                 buffer.clear()
@@ -495,14 +497,6 @@ class ObjectStore(OneByOneBatches):
 def _hash_and_write(hasher: Any, spool: Any, chunk: bytes) -> None:
     hasher.update(chunk)
     spool.write(chunk)
-
-
-def _check_digest(digest: Digest, size: int, hasher: Any) -> None:
-    if size != digest.size_bytes:
-        raise DigestMismatch(f"blob {digest}: got {size} bytes, declared {digest.size_bytes}")
-    actual = hasher.hexdigest()
-    if actual != digest.hash:
-        raise DigestMismatch(f"blob {digest}: content hashes to {actual}")
 
 
 def _content_range_total(value: str | None) -> int | None:
