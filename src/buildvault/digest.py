@@ -1,4 +1,5 @@
-"""Digests, digest functions and ByteStream resource names: the one place these rules live.
+"""Digests, digest functions and ByteStream resource names: the one place these rules live,
+with the check that content (bytes, an open file) is the blob a digest names.
 
 A blob is named by (digest function, hash, size). The digest function is part of every
 storage key, so a BLAKE3 blob and a SHA-256 blob whose hex happens to match never collide.
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import os
 import re
+import threading
 import uuid as uuid_mod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,6 +160,35 @@ class Digest:
 
     def __str__(self) -> str:
         return f"{self.function.label}:{self.hash}/{self.size_bytes}"
+
+
+_FILE_READ = 1 << 20
+_file_buffers = threading.local()  # one read buffer per hashing thread, not one per file
+
+
+def file_matches(fd: int, digest: Digest) -> bool:
+    """Whether the open file `fd`, from its offset to its end, is exactly the blob `digest` names,
+    re-hashed with the digest function (start-up's check after a crash, `buildvault verify`)."""
+    hasher = new_hasher(digest.function)
+    if digest.size_bytes <= _FILE_READ:
+        # One byte more than the size (a longer file shows in the length); asking for more would
+        # allocate (and fault in) that much for every small blob.
+        data = os.read(fd, digest.size_bytes + 1)
+        if len(data) != digest.size_bytes:
+            return False
+        hasher.update(data)
+        return hasher.hexdigest() == digest.hash
+    buffer = getattr(_file_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _file_buffers.buffer = bytearray(_FILE_READ)
+    view = memoryview(buffer)
+    size = 0
+    while read := os.readv(fd, [buffer]):
+        size += read
+        if size > digest.size_bytes:
+            return False
+        hasher.update(view[:read])
+    return size == digest.size_bytes and hasher.hexdigest() == digest.hash
 
 
 def verify_instance_name(instance_name: str) -> str:

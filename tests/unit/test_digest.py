@@ -1,4 +1,6 @@
 import hashlib
+import os
+from pathlib import Path
 
 import blake3
 import pytest
@@ -7,6 +9,7 @@ from buildvault.digest import (
     Digest,
     DigestFunction,
     InvalidDigest,
+    file_matches,
     parse_read_resource,
     parse_write_resource,
     verify_instance_name,
@@ -132,3 +135,27 @@ def test_bulk_hash_check_agrees_with_the_single_one():
         assert not all_hashes(good + [bad])
     # lengths that add up right but are split wrongly are still caught
     assert not all_hashes([H[:-1], H + "a"])
+
+
+@pytest.mark.parametrize("function", list(DigestFunction))
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, (3 << 20) + 5])
+def test_file_matches_only_the_exact_content(tmp_path: Path, function: DigestFunction, size: int) -> None:
+    """Sizes around the one-read limit (1 MiB): the file is the blob; one byte more, one byte
+    less, or one byte changed is not."""
+    data = os.urandom(size)
+    digest = Digest.of(data, function)
+
+    def matches(content: bytes) -> bool:
+        path = tmp_path / "blob"
+        path.write_bytes(content)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return file_matches(fd, digest)
+        finally:
+            os.close(fd)
+
+    assert matches(data)
+    assert not matches(data + b"x")
+    if size:
+        assert not matches(data[:-1])
+        assert not matches(data[:-1] + bytes([data[-1] ^ 1]))

@@ -1,16 +1,14 @@
-"""`buildvault verify`'s view of blob and entry files: listing them and re-hashing a blob file."""
+"""`buildvault verify`'s view of blob and entry files: listing them and re-hashing a blob file
+(digest.file_matches, the check start-up makes after a crash too)."""
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from buildvault.digest import DigestFunction, new_hasher
-
-READ_CHUNK = 1 << 20
+from buildvault.digest import Digest, DigestFunction, file_matches
 
 
 class BlobFile(NamedTuple):  # a tuple: hundreds of thousands are made, cheaply
@@ -56,31 +54,6 @@ def entry_files(root: Path) -> Iterator[tuple[str, str, DigestFunction]]:
             subdirs.clear()
 
 
-_buffers = threading.local()
-
-
-def _read_and_hash(fd: int, blob: BlobFile) -> bool:
-    """Whether the open file `fd` holds exactly the blob its name says."""
-    hasher = new_hasher(blob.function)
-    if blob.size <= READ_CHUNK:
-        # One read of exactly one byte more than the name says (a longer file shows in the
-        # length); asking for more would allocate (and fault in) that much for every small blob.
-        data = os.read(fd, blob.size + 1)
-        if len(data) != blob.size:
-            return False
-        hasher.update(data)
-        return hasher.hexdigest() == blob.hash
-    buffer = getattr(_buffers, "buffer", None)
-    if buffer is None:  # one buffer per hashing thread, not one per blob
-        buffer = _buffers.buffer = bytearray(READ_CHUNK)
-    view = memoryview(buffer)
-    size = 0
-    while read := os.readv(fd, [buffer]):
-        hasher.update(view[:read])
-        size += read
-    return size == blob.size and hasher.hexdigest() == blob.hash
-
-
 def blob_is_intact(blob: BlobFile) -> bool | None:
     """True if the content matches its name, False if not, None if the file vanished."""
     checked = check_blob(blob)
@@ -98,7 +71,7 @@ def check_blob(blob: BlobFile) -> Checked:
     except FileNotFoundError:
         return None
     try:
-        return (True, None) if _read_and_hash(fd, blob) else (False, os.fstat(fd))
+        return (True, None) if file_matches(fd, Digest(blob.hash, blob.size, blob.function)) else (False, os.fstat(fd))
     finally:
         os.close(fd)
 

@@ -32,8 +32,8 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from buildvault.digest import new_hasher
-from buildvault.storage import CHUNK_SIZE, StorageError
+from buildvault.digest import Digest, file_matches
+from buildvault.storage import StorageError
 from buildvault.storage.disk import fileops
 from buildvault.storage.disk.core import Index
 from buildvault.storage.disk.layout import FN_BY_BYTE, Layout, LeafDirs, cas_size, is_ac, key_of_name, kind_of
@@ -144,16 +144,11 @@ def verify_entry(path: str, key: bytes, validate: EntryValidator) -> bool:
     if is_ac(key):
         with open(path, "rb") as f:
             return validate(kind_of(key), f.read())
-    size = cas_size(key)
-    hasher = new_hasher(FN_BY_BYTE[key[0]])
-    total = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK_SIZE):
-            total += len(chunk)
-            if total > size:
-                return False
-            hasher.update(chunk)
-    return total == size and hasher.hexdigest() == key[1:33].hex()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return file_matches(fd, Digest(key[1:33].hex(), cas_size(key), FN_BY_BYTE[key[0]]))
+    finally:
+        os.close(fd)
 
 
 def verify_since(dirs: LeafDirs, since_ns: int, validate: EntryValidator) -> tuple[int, int]:
