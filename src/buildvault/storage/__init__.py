@@ -84,8 +84,9 @@ class DigestMismatch(StorageError, ValueError):
 
 
 def check_content(digest: Digest, size: int, hasher: Hasher) -> None:
-    """Raise DigestMismatch unless the `size` bytes fed to `hasher` are the blob `digest` names:
-    the check every store makes before a blob becomes visible."""
+    """Raise DigestMismatch unless the `size` bytes fed to `hasher` are the blob `digest` names
+    (the memory and object stores' writes, the disk store's whole small ones; a streamed disk or
+    chunked write compares the hash its worker stages return)."""
     if size != digest.size_bytes:
         raise DigestMismatch(f"blob {digest}: got {size} bytes, declared {digest.size_bytes}")
     actual = hasher.hexdigest()
