@@ -1,14 +1,12 @@
 """Streamed reads of a blob file: the chunks the page cache holds are read on the event loop
-(RWF_NOWAIT, no worker trip each); from the first chunk that is not all cached on, the rest is
-read in the worker threads; either way the whole blob is verified before its last chunk.
+(no worker trip each); from the first chunk that is not all cached on, the rest is read in the
+worker threads; either way the whole blob is verified before its last chunk.
 
-The kernel's answer to an RWF_NOWAIT read is played by `page_cache` (the real read without the
-flag, or EAGAIN past a given offset), so every filesystem shows the same cache: tmpfs, for one,
-refuses every such read (EOPNOTSUPP), which the last test covers."""
+The kernel's answer to "is this range cached?" is played by `page_cache` (cached up to a given
+offset), so every run sees the same cache; the first test asks the real kernel."""
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from disk_helpers import blob_path, chunked, read_all
 
 from buildvault.digest import Digest
 from buildvault.storage import NotFound
-from buildvault.storage.disk import DiskStorage, fileops, filereads
+from buildvault.storage.disk import DiskStorage, fileops, filereads, pagecache
 
 MiB = 1 << 20
 SIZE = 4 * MiB + 5  # opened with its first 1 MiB chunk, then 1 MiB, 1 MiB, 1 MiB and 5 bytes
@@ -38,27 +36,16 @@ def worker_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 class PageCache:
-    """RWF_NOWAIT reads as the kernel answers them: the bytes while the range is cached (up to
-    `cached_up_to`), EAGAIN past it; `refused`: EOPNOTSUPP for every one (a filesystem without
-    them). Reads without the flag are untouched."""
+    """The page cache as pagecache.Residency reports it: a range is cached when it ends at or
+    before `cached_up_to`."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.cached_up_to = SIZE
-        self.refused = False
-        nowait = filereads.NOWAIT
-        assert nowait is not None, "this platform has no RWF_NOWAIT: every chunk would go to the workers"
-        real = os.preadv
 
-        def preadv(fd: int, buffers: list[memoryview], at: int, flags: int = 0) -> int:
-            if not flags & nowait:
-                return real(fd, buffers, at, flags)
-            if self.refused:
-                raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
-            if at + sum(map(len, buffers)) > self.cached_up_to:
-                raise BlockingIOError(errno.EAGAIN, os.strerror(errno.EAGAIN))
-            return real(fd, buffers, at, flags & ~nowait)
+        def holds(residency: pagecache.Residency, offset: int, length: int) -> bool:
+            return offset + length <= self.cached_up_to
 
-        monkeypatch.setattr(os, "preadv", preadv)
+        monkeypatch.setattr(pagecache.Residency, "holds", holds)
 
 
 @pytest.fixture
@@ -74,8 +61,9 @@ async def stored(storage: DiskStorage) -> tuple[Digest, bytes]:
 
 
 async def test_a_cached_file_is_streamed_without_a_worker_trip_per_chunk(
-    tmp_path: Path, worker_reads: list[int], page_cache: PageCache
+    tmp_path: Path, worker_reads: list[int]
 ) -> None:
+    """The real kernel's answer: a file just written is in the page cache."""
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage)
         assert await read_all(storage, digest) == data
@@ -84,10 +72,10 @@ async def test_a_cached_file_is_streamed_without_a_worker_trip_per_chunk(
 
 
 @pytest.mark.parametrize(
-    ("cached_up_to", "refused", "in_workers"),
+    ("cached_up_to", "in_workers"),
     [
-        (2 * MiB + 1, False, [2 * MiB, 3 * MiB, 4 * MiB]),  # not cached past 2 MiB
-        (SIZE, True, [MiB, 2 * MiB, 3 * MiB, 4 * MiB]),  # a filesystem that refuses such reads (tmpfs)
+        (2 * MiB + 1, [2 * MiB, 3 * MiB, 4 * MiB]),  # not cached past 2 MiB
+        (0, [MiB, 2 * MiB, 3 * MiB, 4 * MiB]),  # nothing cached (or a file the kernel will not answer for)
     ],
 )
 async def test_from_the_first_chunk_the_page_cache_does_not_give_the_rest_is_read_in_the_workers(
@@ -95,12 +83,11 @@ async def test_from_the_first_chunk_the_page_cache_does_not_give_the_rest_is_rea
     worker_reads: list[int],
     page_cache: PageCache,
     cached_up_to: int,
-    refused: bool,
     in_workers: list[int],
 ) -> None:
     async with await DiskStorage.open(tmp_path, 64 * MiB) as storage:
         digest, data = await stored(storage)
-        page_cache.cached_up_to, page_cache.refused = cached_up_to, refused
+        page_cache.cached_up_to = cached_up_to
         assert await read_all(storage, digest) == data  # verified across loop and worker chunks
         assert worker_reads == in_workers
 

@@ -1,5 +1,5 @@
 """Reading blob and entry files back in the store's worker threads (a streamed chunk the page
-cache holds, on the event loop: `pread_cached`), every whole read verified.
+cache holds, on the event loop: `pread_cached`, asked of pagecache.py), every whole read verified.
 
 A whole read (`read_many`, `open_range` + `Check`) verifies the file's fast checksum
 (fileops.FAST_XATTR, XXH3-64) instead of its digest. A file without one (written before it was
@@ -20,8 +20,7 @@ from buildvault.digest import Digest, Hasher, new_hasher
 from buildvault.storage import fastsum
 from buildvault.storage.disk import fileops
 from buildvault.storage.disk.fileops import DAMAGED, FAILED, MISSING, OK
-
-NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)  # Linux: a read that fails rather than wait for the disk
+from buildvault.storage.disk.pagecache import Residency
 
 
 class Check:
@@ -162,19 +161,19 @@ def pread_checked(fd: int, length: int, offset: int, check: Check | None, last: 
     return _fed(os.pread(fd, length, offset), fd, check, last)
 
 
-def pread_cached(fd: int, buffer: memoryview, offset: int, check: Check | None, last: bool) -> bytes | None:
-    """`pread_checked` on the event loop, through `buffer` (as long as the chunk): the chunk if the
-    page cache holds all of it (RWF_NOWAIT: never waits for the disk); None if any of it would
-    wait, or on any error (the worker's read of the same chunk then reports it). One copy more
-    than os.pread, which takes no flags."""
-    if NOWAIT is None:
+def pread_cached(fd: int, length: int, offset: int, cached: Residency, check: Check | None, last: bool) -> bytes | None:
+    """`pread_checked` on the event loop: the chunk if the page cache holds all of it (`cached`
+    says so just before the read); None if it does not, or on any error or short read (the
+    worker's read of the same chunk then reports it)."""
+    if not cached.holds(offset, length):
         return None
     try:
-        if os.preadv(fd, [buffer], offset, NOWAIT) != len(buffer):
-            return None
-    except OSError:  # EAGAIN: not all cached; EOPNOTSUPP: a filesystem without such reads
+        data = os.pread(fd, length, offset)
+    except OSError:
         return None
-    return _fed(bytes(buffer), fd, check, last)
+    if len(data) != length:
+        return None
+    return _fed(data, fd, check, last)
 
 
 def _fed(data: bytes, fd: int, check: Check | None, last: bool) -> bytes:

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
-from buildvault.storage.disk import fileops, filereads, layout, records
+from buildvault.storage.disk import fileops, filereads, layout, pagecache, records
 from buildvault.storage.disk.core import SMALL_OP, Core
 from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
 
@@ -235,14 +235,12 @@ class Verification:
 class FileChunks:
     """Chunks of [offset, end) of an open file.
 
-    A chunk the page cache holds is read on the event loop (RWF_NOWAIT: the read fails rather than
-    wait for the disk). A worker trip per chunk cost more than the read: on the bench's 64 MiB
-    read, server CPU 46-48 -> 39-40 ms and 1,176-1,240 -> 1,358-1,447 MiB/s. The loop pays the
-    read, the copy and the check, about 0.15 ms per MiB here: some 6 GB/s of cached reads a
-    process. From the first chunk that is not all cached on, the rest is read in the worker
-    threads one chunk ahead, so disk and consumer overlap; so is all of a file on a filesystem
-    that refuses such reads (tmpfs: EOPNOTSUPP), and of a blob checked by its digest (a file
-    without its fast checksum): SHA-256 is too slow for the loop.
+    A chunk the page cache holds (pagecache.py asks the kernel) is read on the event loop. A
+    worker trip per chunk cost more than the read: on the bench's 64 MiB read, server CPU 46-48
+    -> 39-40 ms and 1,176-1,240 -> 1,358-1,447 MiB/s. The loop pays the read and the check,
+    about 0.1 ms per MiB here. From the first chunk that is not all cached on, the rest is read
+    in the worker threads one chunk ahead, so disk and consumer overlap; so is all of a blob
+    checked by its digest (a file without its fast checksum): SHA-256 is too slow for the loop.
 
     Holding the fd is what keeps an evicted (unlinked) blob readable. The fd is closed at the end,
     on aclose(), or when the iterator is collected; never while a read on it is still running.
@@ -267,8 +265,8 @@ class FileChunks:
         self._what = what
         self._ahead: concurrent.futures.Future[bytes] | None = None
         self._ahead_len = 0
-        self._from_cache = filereads.NOWAIT is not None and (verification is None or verification.check.full is None)
-        self._buffer: bytearray | None = None  # what a read from the page cache lands in, then copied
+        self._from_cache = pagecache.AVAILABLE and (verification is None or verification.check.full is None)
+        self._cached: pagecache.Residency | None = None  # made at the first chunk read on the loop
 
     def __aiter__(self) -> FileChunks:
         return self
@@ -324,14 +322,19 @@ class FileChunks:
         (from then on the rest is read in the workers, one chunk ahead) or at the end."""
         if not self._from_cache or self._fd is None:
             return None
-        if self._buffer is None:
-            self._buffer = bytearray(self._ahead_len)  # the largest: chunks only shrink towards the end
-        into = memoryview(self._buffer)[: self._ahead_len]
-        data = filereads.pread_cached(self._fd, into, self._pos, *self._check_and_last())
+        if self._cached is None:
+            self._cached = pagecache.Residency(self._fd, self._end)
+        data = filereads.pread_cached(self._fd, self._ahead_len, self._pos, self._cached, *self._check_and_last())
         if data is None:
             self._from_cache = False
+            self._forget_cache()
             self._read_ahead()
         return data
+
+    def _forget_cache(self) -> None:
+        cached, self._cached = getattr(self, "_cached", None), None
+        if cached is not None:
+            cached.close()
 
     def _check_and_last(self) -> tuple[filereads.Check | None, bool]:
         check = self._verification.check if self._verification is not None else None
@@ -341,7 +344,7 @@ class FileChunks:
         fd, self._fd = getattr(self, "_fd", None), None
         if fd is None:
             return
-        self._buffer = None
+        self._forget_cache()
         ahead, self._ahead = self._ahead, None
         if ahead is not None and not ahead.cancel() and not ahead.done():
             ahead.add_done_callback(lambda _f: os.close(fd))

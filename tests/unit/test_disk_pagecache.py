@@ -1,0 +1,67 @@
+"""`pagecache.Residency`: which ranges of a file the kernel's page cache holds, asked of the real
+kernel. Bytes just written are cached on every filesystem; a hole never written or read is not
+(no page exists for it, on a disk filesystem or tmpfs alike)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from buildvault.storage.disk import pagecache
+
+MiB = 1 << 20
+PAGE = pagecache.PAGE
+
+
+def test_this_platform_can_ask() -> None:
+    assert pagecache.AVAILABLE, "no mincore here: every streamed read would go to the worker threads"
+
+
+def test_bytes_just_written_are_cached_and_a_hole_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "sparse"
+    with open(path, "wb") as f:
+        f.write(os.urandom(MiB))  # [0, 1 MiB): written
+        f.seek(3 * MiB)
+        f.write(os.urandom(PAGE))  # [1 MiB, 3 MiB): a hole
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        residency = pagecache.Residency(fd, 3 * MiB + PAGE)
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    try:
+        assert residency.holds(0, MiB)
+        assert residency.holds(10, 5000)  # not page-aligned: the pages it touches
+        assert residency.holds(3 * MiB, PAGE)
+        assert not residency.holds(MiB, PAGE)
+        assert not residency.holds(MiB - 10, 20)  # one cached page, one not
+        assert not residency.holds(0, 3 * MiB + PAGE)  # the hole in the middle
+        assert not residency.holds(2 * MiB, MiB + PAGE)
+    finally:
+        residency.close()
+
+
+def test_outside_the_mapped_size_or_after_close_nothing_is_held(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(os.urandom(2 * PAGE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        residency = pagecache.Residency(fd, 2 * PAGE)
+        assert residency.holds(0, 2 * PAGE)
+        assert not residency.holds(PAGE, 2 * PAGE)  # past the size it was made for
+        assert not residency.holds(-1, 10)
+        assert not residency.holds(0, 0)
+        residency.close()
+        assert not residency.holds(0, PAGE)
+        residency.close()  # twice: nothing more happens
+    finally:
+        os.close(fd)
+
+
+def test_a_file_that_cannot_be_mapped_answers_not_cached(tmp_path: Path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY)  # a directory: mmap refuses it
+    try:
+        residency = pagecache.Residency(fd, PAGE)
+        assert not residency.holds(0, PAGE)
+        residency.close()
+    finally:
+        os.close(fd)
