@@ -258,6 +258,9 @@ class FileChunks:
     ) -> None:
         self._executor = executor
         self._verification = verification
+        self._cached: pagecache.Residency | None = (
+            None  # made at the first chunk read on the loop; set before _fd, which _close tests first
+        )
         self._fd = fd
         self._first: bytes | None = first
         self._pos = pos
@@ -266,7 +269,6 @@ class FileChunks:
         self._ahead: concurrent.futures.Future[bytes] | None = None
         self._ahead_len = 0
         self._from_cache = pagecache.AVAILABLE and (verification is None or verification.check.full is None)
-        self._cached: pagecache.Residency | None = None  # made at the first chunk read on the loop
 
     def __aiter__(self) -> FileChunks:
         return self
@@ -332,7 +334,7 @@ class FileChunks:
         return data
 
     def _forget_cache(self) -> None:
-        cached, self._cached = getattr(self, "_cached", None), None
+        cached, self._cached = self._cached, None
         if cached is not None:
             cached.close()
 
