@@ -1,11 +1,16 @@
 """`pagecache.Residency`: which ranges of a file the kernel's page cache holds, asked of the real
 kernel. Bytes just written are cached on every filesystem; a hole never written or read is not
-(no page exists for it, on a disk filesystem or tmpfs alike)."""
+(no page exists for it, on a disk filesystem or tmpfs alike). `pagecache.open_cached`: a file
+opened only from cached directory entries (a path just written is cached)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from pathlib import Path
+
+import pytest
 
 from buildvault.storage.disk import pagecache
 
@@ -65,3 +70,57 @@ def test_a_file_that_cannot_be_mapped_answers_not_cached(tmp_path: Path) -> None
         residency.close()
     finally:
         os.close(fd)
+
+
+def test_a_path_just_written_is_opened_from_the_cache_and_a_missing_one_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"content")
+    fd = pagecache.open_cached(str(path))
+    assert fd is not None, "openat2(RESOLVE_CACHED) refused here: no whole-file batch is read on the loop"
+    try:
+        assert os.read(fd, 100) == b"content"
+        assert os.get_inheritable(fd) is False  # O_CLOEXEC
+    finally:
+        os.close(fd)
+    assert pagecache.open_cached(str(tmp_path / "missing")) is None
+    again = pagecache.open_cached(str(path))  # a miss changes nothing
+    assert again is not None
+    os.close(again)
+
+
+class RefusingLibc:
+    """libc whose syscall fails as a kernel without openat2 (or a seccomp filter) fails it."""
+
+    def __init__(self, error: int) -> None:
+        self.error = error
+        self.calls = 0
+
+    def syscall(self, *args: object) -> int:
+        self.calls += 1
+        ctypes.set_errno(self.error)
+        return -1
+
+
+@pytest.mark.parametrize("error", [errno.ENOSYS, errno.EINVAL, errno.EPERM])
+def test_a_kernel_that_refuses_openat2_is_not_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"content")
+    refusing = RefusingLibc(error)
+    monkeypatch.setattr(pagecache, "_LIBC", refusing)
+    monkeypatch.setattr(pagecache, "_open_cached_works", True)
+    assert pagecache.open_cached(str(path)) is None
+    assert pagecache.open_cached(str(path)) is None
+    assert refusing.calls == 1
+
+
+def test_a_lookup_that_would_wait_for_the_disk_is_asked_again_next_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refusing = RefusingLibc(errno.EAGAIN)  # RESOLVE_CACHED: the path is not all in the dentry cache
+    monkeypatch.setattr(pagecache, "_LIBC", refusing)
+    monkeypatch.setattr(pagecache, "_open_cached_works", True)
+    assert pagecache.open_cached(str(tmp_path / "blob")) is None
+    assert pagecache.open_cached(str(tmp_path / "blob")) is None
+    assert refusing.calls == 2

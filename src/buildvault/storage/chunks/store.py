@@ -83,7 +83,8 @@ MIN_CUT_BATCH = 1 << 20
 # concurrent uploads the batch shrinks (down to MIN_CUT_BATCH) instead of the memory growing.
 CHUNK_BUFFER_BUDGET = 48 << 20
 # A read of a chunked blob fetches whole chunks in batches of up to this many bytes (one store
-# call, one trip of the disk store's worker threads, instead of one per chunk).
+# call instead of one per chunk: read on the event loop while the page cache holds the chunks,
+# else one trip of the disk store's worker threads).
 READ_BATCH = 2 << 20
 
 

@@ -1,5 +1,6 @@
-"""Reading blob and entry files back in the store's worker threads (a streamed chunk the page
-cache holds, on the event loop: `pread_cached`, asked of pagecache.py), every whole read verified.
+"""Reading blob and entry files back in the store's worker threads (a streamed chunk or a whole
+file the page cache holds, on the event loop: `pread_cached`, `read_cached`, asked of
+pagecache.py), every whole read verified.
 
 A whole read (`read_many`, `open_range` + `Check`) verifies the file's fast checksum
 (fileops.FAST_XATTR, XXH3-64) instead of its digest. A file without one (written before it was
@@ -18,7 +19,7 @@ from typing import Any
 
 from buildvault.digest import Digest, Hasher, new_hasher
 from buildvault.storage import fastsum
-from buildvault.storage.disk import fileops
+from buildvault.storage.disk import fileops, pagecache
 from buildvault.storage.disk.fileops import DAMAGED, FAILED, MISSING, OK
 from buildvault.storage.disk.pagecache import Residency
 
@@ -96,6 +97,34 @@ def read_many(items: list[tuple[str, Digest]]) -> list[tuple[int, bytes | OSErro
         finally:
             os.close(fd)
     return results
+
+
+def read_cached(path: str, digest: Digest) -> bytes | None:
+    """`read_many`'s read of one blob file, on the event loop: only if nothing in it waits for the
+    disk (the path resolved from cached directory entries, every page cached) and its fast
+    checksum is recorded (a digest check is too long for the loop). None otherwise, and for
+    anything not plainly right (gone, wrong size or checksum, an error): `read_many` reads it
+    again in the workers and reports what it finds."""
+    fd = pagecache.open_cached(path)
+    if fd is None:
+        return None
+    try:
+        size = digest.size_bytes
+        recorded = fileops.recorded_sum(fd)
+        if recorded is None or os.fstat(fd).st_size != size:
+            return None
+        cached = Residency(fd, size)
+        try:
+            if not cached.holds(0, size):
+                return None
+        finally:
+            cached.close()
+        data = os.read(fd, size)
+        return data if len(data) == size and fastsum.of(data) == recorded else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _verified(fd: int, data: bytes, digest: Digest) -> bool:

@@ -1,22 +1,30 @@
-"""Whether the page cache holds a range of an open file, asked without reading it: mincore(2)
-over a mapping of the file made with no access (PROT_NONE). Nothing ever touches the mapping, so
-it can neither fault nor raise SIGBUS; it only names the file's pages to the kernel.
+"""What the event loop may read without waiting for the disk: whether the page cache holds a
+range of an open file (`Residency`), and a file opened only if its path resolves from cached
+directory entries (`open_cached`).
 
-A streamed read asks this before `os.pread` on the event loop. The alternative that never waits
-for the disk, a read with RWF_NOWAIT, needs a buffer to read into, and the bytes a read hands
-out are then one more copy (64 MiB read: 4.5 ms of the server's 40 ms). Here the check and the
-read are two calls: a page the kernel drops between them (memory pressure, microseconds) is read
-from the disk on the loop.
+Residency asks mincore(2) over a mapping of the file made with no access (PROT_NONE). Nothing
+ever touches the mapping, so it can neither fault nor raise SIGBUS; it only names the file's
+pages to the kernel. A streamed read asks this before `os.pread` on the event loop. The
+alternative that never waits for the disk, a read with RWF_NOWAIT, needs a buffer to read into,
+and the bytes a read hands out are then one more copy (64 MiB read: 4.5 ms of the server's 40
+ms). Here the check and the read are two calls: a page the kernel drops between them (memory
+pressure, microseconds) is read from the disk on the loop.
 
 The kernel answers for a file this process owns or may write (Linux `can_do_mincore`), which
 is every file the store wrote; for any other it may say "not cached", and the read goes to the
 worker threads.
+
+open_cached is openat2(2) with RESOLVE_CACHED (Linux 5.12): the kernel fails the open with
+EAGAIN rather than read a directory from the disk. Python has no binding for openat2; where
+the kernel (or a seccomp filter) refuses the call, nothing is opened on the loop.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
+import os
 import sys
 
 PAGE = mmap.PAGESIZE
@@ -36,11 +44,45 @@ def _libc() -> ctypes.CDLL | None:
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.restype = ctypes.c_int
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.syscall.restype = ctypes.c_long
     return libc
 
 
 _LIBC = _libc()
 AVAILABLE = _LIBC is not None
+
+
+class _OpenHow(ctypes.Structure):
+    """struct open_how, <linux/openat2.h>."""
+
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_SYS_OPENAT2 = 437  # the same on every Linux architecture (numbers from 424 on are shared)
+_RESOLVE_CACHED = 0x20
+_AT_FDCWD = -100
+_open_cached_works = AVAILABLE
+
+
+def open_cached(path: str) -> int | None:
+    """`path` opened read-only if the kernel resolves it from cached directory entries alone; None
+    if that would need the disk, the file is not there, or openat2 is refused here."""
+    global _open_cached_works
+    if not _open_cached_works or _LIBC is None:
+        return None
+    how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE_CACHED)
+    fd = _LIBC.syscall(
+        ctypes.c_long(_SYS_OPENAT2),
+        ctypes.c_int(_AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.byref(how),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
+    if fd >= 0:
+        return int(fd)
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.EPERM):  # an older kernel, or a filter
+        _open_cached_works = False
+    return None
 
 
 class Residency:

@@ -1,8 +1,9 @@
 """The read paths: ranged reads, whole-blob batches, lookup by hash alone, action entries.
 
 A read raises NotFound before producing any byte. Records (records.py) and other small blobs
-are read whole in a coalesced trip (a batch's records in one LMDB read transaction) and no file
-stays open; larger ones keep the fd (an evicted blob stays readable) and are streamed. Every
+are read whole in a coalesced trip (a batch's records in one LMDB read transaction; files the
+page cache holds, on the event loop: `read_blobs`) and no file stays open; larger ones keep
+the fd (an evicted blob stays readable) and are streamed. Every
 read of a whole blob is verified (small ones before any byte is returned, streamed ones before
 their last chunk): a file can rot or be edited under a running server. A file by the fast
 checksum recorded when its digest was verified (filereads.py, `Check`; the digest itself for a
@@ -33,6 +34,13 @@ from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_ke
 # read_blobs reads blob files up to this size whole, in its one trip (wanted whole in memory
 # anyway: a chunk store's batch of chunks up to 2 MiB, a BatchReadBlobs); larger ones stream.
 WHOLE_READ = 4 << 20
+# read_blobs reads up to this many bytes of files the page cache holds on the event loop (about
+# 1 ms: open, check, copy and checksum). A chunked 64 MiB read, one 2 MiB batch after another,
+# took 0.9x the server CPU and the time without a worker trip per batch.
+LOOP_READ = 4 << 20
+# Smaller files stay in the one worker trip: the loop's checks cost about 20 us a file, more
+# than copying it (a FastCDC chunk is at least 128 KiB, but a blob's last one).
+LOOP_READ_MIN = 64 << 10
 
 
 class Reader:
@@ -126,6 +134,8 @@ class Reader:
             else:
                 batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", digest))
                 where.append((i, key, digest))
+        if batch:
+            batch, where = self._read_cached(batch, where, results)
         waits = []
         if record_batch:
             waits.append(core.ops.submit(records.get_many, (core.records, record_batch), 0))
@@ -152,6 +162,26 @@ class Reader:
             except StorageError as e:
                 results[i] = e
         return results  # type: ignore[return-value]  # every slot was filled above
+
+    @staticmethod
+    def _read_cached(
+        batch: list[tuple[str, Digest]], where: list[tuple[int, bytes, Digest]], results: list[bytes | Exception | None]
+    ) -> tuple[list[tuple[str, Digest]], list[tuple[int, bytes, Digest]]]:
+        """Read the files of `batch` the page cache holds on the loop (of at least LOOP_READ_MIN
+        bytes, up to LOOP_READ in all) into `results`; the rest, for the workers."""
+        left: list[tuple[str, Digest]] = []
+        left_where: list[tuple[int, bytes, Digest]] = []
+        budget = LOOP_READ
+        for item, place in zip(batch, where, strict=True):
+            size = item[1].size_bytes
+            data = filereads.read_cached(*item) if LOOP_READ_MIN <= size <= budget else None
+            if data is None:
+                left.append(item)
+                left_where.append(place)
+                continue
+            budget -= size
+            results[place[0]] = data
+        return left, left_where
 
     async def lookup(self, function: DigestFunction, hex_hash: str) -> Digest:
         """A stored blob by hash alone: the size from a small memo, else from the record keys with
