@@ -148,12 +148,18 @@ SERVER_CPUS, HARNESS_CPUS = {0}, {1}  # --pin
 
 
 def start(
-    name: str, data_dir: Path, log_path: Path, bucket: bool = False, cpus: set[int] | None = None
+    name: str,
+    data_dir: Path,
+    log_path: Path,
+    bucket: bool = False,
+    cpus: set[int] | None = None,
+    chunks_at_rest: bool = False,
 ) -> servers.Server:
+    extra = ["--chunking-backlog", "0"] if chunks_at_rest else []
     if name == "buildvault" and bucket:
-        return servers.start_buildvault_on_bucket(data_dir, log_path, cpus=cpus)
+        return servers.start_buildvault_on_bucket(data_dir, log_path, extra, cpus=cpus)
     if name == "buildvault":
-        return servers.start_buildvault(data_dir, log_path, cpus=cpus)
+        return servers.start_buildvault(data_dir, log_path, extra, cpus=cpus)
     if name == "buildgrid-0.9":
         return servers.start_buildgrid_09(data_dir, log_path, cpus=cpus)
     return servers.start_buildgrid(data_dir, log_path, cpus=cpus)
@@ -365,6 +371,8 @@ def write_report(
         "  so read the load average above beside the figures",
         f"- repetitions: {args.reps}{' (quick sizes)' if args.quick else ''}"
         + ("; buildvault with the object-store tier on (moto_server on loopback)" if args.bucket else "")
+        + ("; buildvault with `--chunking-backlog 0` (blobs of 2 MiB or more read as chunks)"
+           if args.chunks_at_rest else "")
         + (f"; scenarios: `{args.scenarios}`" if args.scenarios else ""),
         "- machine: " + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
         "- client: " + ("--client-warm (memory kept, each ByteStream blob read once untimed first)"
@@ -514,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bazel", action="store_true", help="skip the warm Bazel build figure")
     parser.add_argument("--bucket", action="store_true",
                         help="buildvault with the object-store tier on (the S3 test server on loopback)")  # fmt: skip
+    parser.add_argument("--chunks-at-rest", action="store_true",
+                        help="buildvault cuts every blob of 2 MiB or more as it arrives (--chunking-backlog 0): reads "
+                        "are of chunks, as once an idle server has converted what it stored whole")  # fmt: skip
     parser.add_argument("--no-client-warm", dest="client_warm", action="store_false",
                         help="run the harness without --client-warm (a cold client: first-touch memory)")  # fmt: skip
     parser.add_argument("--pin", action="store_true",
@@ -574,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"repetition {rep + 1}/{args.reps}: {name}")
                 data = workdir / f"{name}-{rep}"
                 server = start(name, data, workdir / f"{name}-{rep}.log", bucket=args.bucket,
-                               cpus=SERVER_CPUS if args.pin else None)  # fmt: skip
+                               cpus=SERVER_CPUS if args.pin else None, chunks_at_rest=args.chunks_at_rest)  # fmt: skip
                 try:
                     runs[name].append(
                         run_harness(server, args, workdir / f"{name}-{rep}.json", workdir / f"{name}-{rep}.out")
