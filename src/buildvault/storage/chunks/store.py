@@ -273,7 +273,7 @@ class ChunkedBlobStore(ForwardingBlobStore):
 
     async def _read_chunks(self, chunks: Sequence[Digest], start: int, end: int) -> AsyncIterator[bytes]:
         """The bytes [start, end) of a blob kept as `chunks`. Whole chunks are fetched a few at a time
-        (`read_blobs`: one trip of the disk store, each chunk verified there), up to READ_BATCH bytes;
+        (`read_blobs`: one call of the disk store, each chunk verified there), up to READ_BATCH bytes;
         a chunk of which only part is wanted, or one larger than READ_BATCH, is read as a stream."""
         spans: list[tuple[Digest, int, int]] = []  # chunk, offset in it, limit (0: to its end)
         position = 0

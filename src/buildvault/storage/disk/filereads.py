@@ -104,7 +104,8 @@ def read_cached(path: str, digest: Digest) -> bytes | None:
     disk (the path resolved from cached directory entries, every page cached) and its fast
     checksum is recorded (a digest check is too long for the loop). None otherwise, and for
     anything not plainly right (gone, wrong size or checksum, an error): `read_many` reads it
-    again in the workers and reports what it finds."""
+    again in the workers and reports what it finds. The checksum xattr is kept in the inode (ext4,
+    XFS); a kernel that dropped the inode's block under memory pressure reads it on the loop."""
     fd = pagecache.open_cached(path)
     if fd is None:
         return None
