@@ -44,7 +44,8 @@ def _libc() -> ctypes.CDLL | None:
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.restype = ctypes.c_int
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.syscall.restype = ctypes.c_long
+    libc.syscall.restype = ctypes.c_long  # called only as openat2 (open_cached)
+    libc.syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 
@@ -62,6 +63,7 @@ _SYS_OPENAT2 = 437  # the same on every Linux architecture (numbers from 424 on 
 _RESOLVE_CACHED = 0x20
 _AT_FDCWD = -100
 _open_cached_works = AVAILABLE
+_READ_ONLY_CACHED = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE_CACHED)
 
 
 def open_cached(path: str) -> int | None:
@@ -70,14 +72,8 @@ def open_cached(path: str) -> int | None:
     global _open_cached_works
     if not _open_cached_works or _LIBC is None:
         return None
-    how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, _RESOLVE_CACHED)
-    fd = _LIBC.syscall(
-        ctypes.c_long(_SYS_OPENAT2),
-        ctypes.c_int(_AT_FDCWD),
-        ctypes.c_char_p(os.fsencode(path)),
-        ctypes.byref(how),
-        ctypes.c_size_t(ctypes.sizeof(how)),
-    )
+    how = _READ_ONLY_CACHED
+    fd = _LIBC.syscall(_SYS_OPENAT2, _AT_FDCWD, os.fsencode(path), ctypes.addressof(how), ctypes.sizeof(how))
     if fd >= 0:
         return int(fd)
     if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.EPERM):  # an older kernel, or a filter
