@@ -21,7 +21,6 @@ from buildvault.digest import Digest, Hasher, new_hasher
 from buildvault.storage import fastsum
 from buildvault.storage.disk import fileops, pagecache
 from buildvault.storage.disk.fileops import DAMAGED, FAILED, MISSING, OK
-from buildvault.storage.disk.pagecache import Residency
 
 
 class Check:
@@ -114,7 +113,7 @@ def read_cached(path: str, digest: Digest) -> bytes | None:
         recorded = fileops.recorded_sum(fd)
         if recorded is None or os.fstat(fd).st_size != size:
             return None
-        cached = Residency(fd, size)
+        cached = pagecache.Residency(fd, size)
         try:
             if not cached.holds(0, size):
                 return None
@@ -191,7 +190,9 @@ def pread_checked(fd: int, length: int, offset: int, check: Check | None, last: 
     return _fed(os.pread(fd, length, offset), fd, check, last)
 
 
-def pread_cached(fd: int, length: int, offset: int, cached: Residency, check: Check | None, last: bool) -> bytes | None:
+def pread_cached(
+    fd: int, length: int, offset: int, cached: pagecache.Residency, check: Check | None, last: bool
+) -> bytes | None:
     """`pread_checked` on the event loop: the chunk if the page cache holds all of it (`cached`
     says so just before the read); None if it does not, or on any error or short read (the
     worker's read of the same chunk then reports it)."""

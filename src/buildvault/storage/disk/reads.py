@@ -2,15 +2,14 @@
 
 A read raises NotFound before producing any byte. Records (records.py) and other small blobs
 are read whole in a coalesced trip (a batch's records in one LMDB read transaction; files the
-page cache holds, on the event loop: `read_blobs`) and no file stays open; larger ones keep
-the fd (an evicted blob stays readable) and are streamed. Every
-read of a whole blob is verified (small ones before any byte is returned, streamed ones before
-their last chunk): a file can rot or be edited under a running server. A file by the fast
-checksum recorded when its digest was verified (filereads.py, `Check`; the digest itself for a
-file without one), a record by its digest and CRC. A file or record found damaged (wrong size,
-content, checksum or CRC) is deleted and reported missing, one found gone is dropped from the
-index: the client uploads it again. A lookup by hash alone that finds no file marks the hash
-for a re-check (core.py).
+page cache holds, on the event loop: `read_blobs`) and no file stays open; larger ones keep the
+fd (an evicted blob stays readable) and are streamed. Every read of a whole blob is verified
+(small ones before any byte is returned, streamed ones before their last chunk): a file can rot
+or be edited under a running server. A file by the fast checksum recorded when its digest was
+verified (filereads.py, `Check`; the digest itself for a file without one), a record by its
+digest and CRC. A file or record found damaged (wrong size, content, checksum or CRC) is deleted
+and reported missing, one found gone is dropped from the index: the client uploads it again. A
+lookup by hash alone that finds no file marks the hash for a re-check (core.py).
 
 The iterators `read` returns: a whole small blob already in memory (`WholeChunks`), or an open
 file (`FileChunks`): its first chunk read in the trip that opened it, the rest on the event loop
