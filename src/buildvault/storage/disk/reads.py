@@ -115,6 +115,7 @@ class Reader:
         record_where: list[tuple[int, bytes, Digest]] = []
         limit = core.index.limit
         singles: list[int] = []
+        loop_budget = LOOP_READ
         for i, digest in enumerate(digests):
             hex_hash, size, function = digest.hash, digest.size_bytes, digest.function
             try:
@@ -131,10 +132,14 @@ class Reader:
             elif size > WHOLE_READ:
                 singles.append(i)
             else:
-                batch.append((f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}", digest))
+                path = f"{cas_dir}/{function.label}/{hex_hash[:2]}/{hex_hash}-{size}"
+                data = filereads.read_cached(path, digest) if LOOP_READ_MIN <= size <= loop_budget else None
+                if data is not None:  # the page cache held it: read here, no worker trip
+                    loop_budget -= size
+                    results[i] = data
+                    continue
+                batch.append((path, digest))
                 where.append((i, key, digest))
-        if batch:
-            batch, where = self._read_cached(batch, where, results)
         waits = []
         if record_batch:
             waits.append(core.ops.submit(records.get_many, (core.records, record_batch), 0))
@@ -161,26 +166,6 @@ class Reader:
             except StorageError as e:
                 results[i] = e
         return results  # type: ignore[return-value]  # every slot was filled above
-
-    @staticmethod
-    def _read_cached(
-        batch: list[tuple[str, Digest]], where: list[tuple[int, bytes, Digest]], results: list[bytes | Exception | None]
-    ) -> tuple[list[tuple[str, Digest]], list[tuple[int, bytes, Digest]]]:
-        """Read the files of `batch` the page cache holds on the loop (of at least LOOP_READ_MIN
-        bytes, up to LOOP_READ in all) into `results`; the rest, for the workers."""
-        left: list[tuple[str, Digest]] = []
-        left_where: list[tuple[int, bytes, Digest]] = []
-        budget = LOOP_READ
-        for item, place in zip(batch, where, strict=True):
-            size = item[1].size_bytes
-            data = filereads.read_cached(*item) if LOOP_READ_MIN <= size <= budget else None
-            if data is None:
-                left.append(item)
-                left_where.append(place)
-                continue
-            budget -= size
-            results[place[0]] = data
-        return left, left_where
 
     async def lookup(self, function: DigestFunction, hex_hash: str) -> Digest:
         """A stored blob by hash alone: the size from a small memo, else from the record keys with
