@@ -65,7 +65,7 @@ async def test_the_first_read_message_goes_at_once_and_the_rest_are_full(stubs, 
     pieces = [r.data async for r in stubs.bytestream.Read(request)]
     assert b"".join(pieces) == data[offset:]
     assert len(pieces) > 3
-    assert 0 < len(pieces[0]) <= CHUNK_SIZE < READ_CHUNK_SIZE
+    assert 0 < len(pieces[0]) <= CHUNK_SIZE <= READ_CHUNK_SIZE
     assert [len(p) for p in pieces[1:-1]] == [READ_CHUNK_SIZE] * (len(pieces) - 2)
     assert 0 < len(pieces[-1]) <= READ_CHUNK_SIZE
 

@@ -35,11 +35,12 @@ MAX_BATCH_TOTAL_SIZE = (4 << 20) - (64 << 10)
 # The server's own send/receive message limit: the batch limit plus headroom for the digests,
 # statuses and framing around the blobs (about 100 bytes per blob).
 MAX_MESSAGE_SIZE = MAX_BATCH_TOTAL_SIZE + (4 << 20)
-# ByteStream.Read message size. Each message costs the server a gRPC send operation and the
-# wake-ups around it, so fewer, larger messages cost less CPU: 2 MiB took 8 % less server CPU per
-# 512 MiB read than 1 MiB (bench/notes/2026-12-06-reads-vs-buildgrid.md). With its framing it stays
-# far under the 4 MiB inbound message limit gRPC clients have by default.
-READ_CHUNK_SIZE = 2 << 20
+# ByteStream.Read message size: the store's piece size (storage CHUNK_SIZE). 2 MiB messages cost
+# fewer send operations, but a blob kept as chunks then joins four pieces read a while before,
+# from colder memory: against BuildGrid 0.9.1 such reads went from 1.11x / 1.16x to 1.24-1.27x
+# (64 / 512 MiB, bench/notes/2026-12-06-reads-on-the-loop.md). Framed, a message stays far under
+# the 4 MiB inbound limit gRPC clients have by default.
+READ_CHUNK_SIZE = 1 << 20
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 # The servicer context every handler receives (its request/response types do not matter here).

@@ -330,7 +330,7 @@ class ByteStreamService:
         # sooner, the whole read about 6 % sooner in 8 of 10 runs: the reads note of 2026-12-06).
         # Every later message but the last carries READ_CHUNK_SIZE bytes, whatever the pieces
         # the store yields (a chunked blob's chunks are 128 KiB-2 MiB): framing copies them once
-        # anyway, and fewer messages cost less.
+        # anyway, and fewer messages cost less (the size: server/grpc/__init__.py).
         parts: list[memoryview] = []
         held = 0
         try:
