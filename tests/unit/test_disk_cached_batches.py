@@ -38,7 +38,7 @@ def worker_reads(monkeypatch: pytest.MonkeyPatch) -> list[Digest]:
 
 @pytest.fixture
 def nothing_cached(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pagecache.Residency, "holds", lambda self, offset, length: False)
+    monkeypatch.setattr(pagecache, "holds_whole", lambda fd, size: False)
 
 
 async def stored(storage: DiskStorage, count: int, size: int = SIZE) -> list[tuple[Digest, bytes]]:

@@ -1,7 +1,8 @@
-"""`pagecache.Residency`: which ranges of a file the kernel's page cache holds, asked of the real
-kernel. Bytes just written are cached on every filesystem; a hole never written or read is not
-(no page exists for it, on a disk filesystem or tmpfs alike). `pagecache.open_cached`: a file
-opened only from cached directory entries (a path just written is cached)."""
+"""`pagecache.Residency` and `pagecache.holds_whole`: which ranges of a file the kernel's page
+cache holds, asked of the real kernel. Bytes just written are cached on every filesystem; a hole
+never written or read is not (no page exists for it, on a disk filesystem or tmpfs alike).
+`pagecache.open_cached`: a file opened only from cached directory entries (a path just written
+is cached)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,37 @@ def test_a_path_just_written_is_opened_from_the_cache_and_a_missing_one_is_not(t
     os.close(again)
 
 
+def _sparse(path: Path) -> int:
+    """A file with 1 MiB written, then a 2 MiB hole, then one page: its size."""
+    with open(path, "wb") as f:
+        f.write(os.urandom(MiB))
+        f.seek(3 * MiB)
+        f.write(os.urandom(PAGE))
+    return 3 * MiB + PAGE
+
+
+def test_this_kernel_answers_with_cachestat() -> None:
+    assert pagecache._cachestat_works, "no cachestat(2) here: each chunk file is asked through a mapping"
+
+
+@pytest.mark.parametrize("cachestat", [True, False], ids=["cachestat", "mapping"])
+def test_a_whole_file_is_held_only_when_every_page_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cachestat: bool
+) -> None:
+    monkeypatch.setattr(pagecache, "_cachestat_works", cachestat)
+    size = _sparse(tmp_path / "sparse")
+    fd = os.open(tmp_path / "sparse", os.O_RDONLY)
+    try:
+        assert pagecache.holds_whole(fd, MiB)
+        assert pagecache.holds_whole(fd, MiB - 10)  # not page-aligned: the pages it touches
+        assert not pagecache.holds_whole(fd, size)  # the hole in the middle
+        assert not pagecache.holds_whole(fd, MiB + 1)  # one page past the written MiB
+        assert not pagecache.holds_whole(fd, 0)
+    finally:
+        os.close(fd)
+    assert pagecache._cachestat_works is cachestat  # nothing was refused
+
+
 class RefusingLibc:
     """libc whose syscall fails as a kernel without openat2 (or a seccomp filter) fails it."""
 
@@ -124,3 +156,38 @@ def test_a_lookup_that_would_wait_for_the_disk_is_asked_again_next_time(
     assert pagecache.open_cached(str(tmp_path / "blob")) is None
     assert pagecache.open_cached(str(tmp_path / "blob")) is None
     assert refusing.calls == 2
+
+
+class CachestatRefused:
+    """The real libc, but its syscall fails as a kernel before 6.5 (or a seccomp filter) fails cachestat."""
+
+    def __init__(self, real: object, error: int) -> None:
+        self.real = real
+        self.error = error
+        self.calls = 0
+
+    def syscall(self, *args: object) -> int:
+        self.calls += 1
+        ctypes.set_errno(self.error)
+        return -1
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("error", [errno.ENOSYS, errno.EPERM])
+def test_a_kernel_that_refuses_cachestat_is_asked_through_a_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    size = _sparse(tmp_path / "sparse")
+    refusing = CachestatRefused(pagecache._LIBC, error)
+    monkeypatch.setattr(pagecache, "_LIBC", refusing)
+    monkeypatch.setattr(pagecache, "_cachestat_works", True)
+    fd = os.open(tmp_path / "sparse", os.O_RDONLY)
+    try:
+        assert pagecache.holds_whole(fd, MiB)
+        assert not pagecache.holds_whole(fd, size)
+    finally:
+        os.close(fd)
+    assert refusing.calls == 1
+    assert pagecache._cachestat_works is False

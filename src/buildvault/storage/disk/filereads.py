@@ -113,12 +113,8 @@ def read_cached(path: str, digest: Digest) -> bytes | None:
         recorded = fileops.recorded_sum(fd)
         if recorded is None or os.fstat(fd).st_size != size:
             return None
-        cached = pagecache.Residency(fd, size)
-        try:
-            if not cached.holds(0, size):
-                return None
-        finally:
-            cached.close()
+        if not pagecache.holds_whole(fd, size):
+            return None
         data = os.read(fd, size)
         return data if len(data) == size and fastsum.of(data) == recorded else None
     except OSError:

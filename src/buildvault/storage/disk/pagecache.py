@@ -1,6 +1,6 @@
 """What the event loop may read without waiting for the disk: whether the page cache holds a
-range of an open file (`Residency`), and a file opened only if its path resolves from cached
-directory entries (`open_cached`).
+range of an open file (`Residency`, for a stream's many questions; `holds_whole`, for one), and a
+file opened only if its path resolves from cached directory entries (`open_cached`).
 
 Residency asks mincore(2) over a mapping of the file made with no access (PROT_NONE). Nothing
 ever touches the mapping, so it can neither fault nor raise SIGBUS; it only names the file's
@@ -13,6 +13,10 @@ pressure, microseconds) is read from the disk on the loop.
 The kernel answers for a file this process owns or may write (Linux `can_do_mincore`), which
 is every file the store wrote; for any other it may say "not cached", and the read goes to the
 worker threads.
+
+holds_whole asks cachestat(2) (Linux 6.5), one call where a Residency makes three (mmap, mincore,
+munmap): a blob kept as chunks asks once per chunk file, and a 64 MiB one has about 128 of them.
+Where cachestat is refused (an older kernel, a seccomp filter) it asks a Residency once.
 
 open_cached is openat2(2) with RESOLVE_CACHED (Linux 5.12): the kernel fails the open with
 EAGAIN rather than read a directory from the disk. Python has no binding for openat2; where
@@ -44,8 +48,7 @@ def _libc() -> ctypes.CDLL | None:
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.restype = ctypes.c_int
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.syscall.restype = ctypes.c_long  # called only as openat2 (open_cached)
-    libc.syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    libc.syscall.restype = ctypes.c_long  # openat2 (open_cached), cachestat (holds_whole): typed at each call
     return libc
 
 
@@ -73,12 +76,59 @@ def open_cached(path: str) -> int | None:
     if not _open_cached_works or _LIBC is None:
         return None
     how = _READ_ONLY_CACHED
-    fd = _LIBC.syscall(_SYS_OPENAT2, _AT_FDCWD, os.fsencode(path), ctypes.addressof(how), ctypes.sizeof(how))
+    fd = _LIBC.syscall(
+        _SYS_OPENAT2,
+        ctypes.c_long(_AT_FDCWD),
+        ctypes.c_char_p(os.fsencode(path)),
+        ctypes.c_void_p(ctypes.addressof(how)),
+        ctypes.c_size_t(ctypes.sizeof(how)),
+    )
     if fd >= 0:
         return int(fd)
     if ctypes.get_errno() in (errno.ENOSYS, errno.EINVAL, errno.EPERM):  # an older kernel, or a filter
         _open_cached_works = False
     return None
+
+
+class _CachestatRange(ctypes.Structure):
+    """struct cachestat_range, <linux/mman.h>."""
+
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    """struct cachestat, <linux/mman.h>: pages of the range cached, dirty, under writeback, evicted."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+_SYS_CACHESTAT = 451  # shared by every Linux architecture, like openat2's
+_cachestat_works = AVAILABLE
+
+
+def holds_whole(fd: int, size: int) -> bool:
+    """Whether every page of the first `size` bytes of the open file `fd` is in the page cache now."""
+    global _cachestat_works
+    if size <= 0 or _LIBC is None:
+        return False
+    if _cachestat_works:
+        where, stat = _CachestatRange(0, size), _Cachestat()
+        if (
+            _LIBC.syscall(_SYS_CACHESTAT, ctypes.c_long(fd), ctypes.byref(where), ctypes.byref(stat), ctypes.c_long(0))
+            == 0
+        ):
+            return bool(stat.nr_cache == (size + PAGE - 1) // PAGE)
+        if ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):
+            return False
+        _cachestat_works = False
+    residency = Residency(fd, size)
+    try:
+        return residency.holds(0, size)
+    finally:
+        residency.close()
 
 
 class Residency:
