@@ -121,9 +121,11 @@ def test_a_whole_file_is_held_only_when_every_page_is(
 
 
 class RefusingLibc:
-    """libc whose syscall fails as a kernel without openat2 (or a seccomp filter) fails it."""
+    """libc whose syscall fails as a kernel without the call (or a seccomp filter) fails it; every
+    other function is `real`'s."""
 
-    def __init__(self, error: int) -> None:
+    def __init__(self, error: int, real: object = None) -> None:
+        self.real = real
         self.error = error
         self.calls = 0
 
@@ -131,6 +133,11 @@ class RefusingLibc:
         self.calls += 1
         ctypes.set_errno(self.error)
         return -1
+
+    def __getattr__(self, name: str) -> object:
+        if self.real is None:
+            raise AttributeError(name)
+        return getattr(self.real, name)
 
 
 @pytest.mark.parametrize("error", [errno.ENOSYS, errno.EINVAL, errno.EPERM])
@@ -158,29 +165,12 @@ def test_a_lookup_that_would_wait_for_the_disk_is_asked_again_next_time(
     assert refusing.calls == 2
 
 
-class CachestatRefused:
-    """The real libc, but its syscall fails as a kernel before 6.5 (or a seccomp filter) fails cachestat."""
-
-    def __init__(self, real: object, error: int) -> None:
-        self.real = real
-        self.error = error
-        self.calls = 0
-
-    def syscall(self, *args: object) -> int:
-        self.calls += 1
-        ctypes.set_errno(self.error)
-        return -1
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.real, name)
-
-
 @pytest.mark.parametrize("error", [errno.ENOSYS, errno.EPERM])
 def test_a_kernel_that_refuses_cachestat_is_asked_through_a_mapping(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
 ) -> None:
     size = _sparse(tmp_path / "sparse")
-    refusing = CachestatRefused(pagecache._LIBC, error)
+    refusing = RefusingLibc(error, pagecache._LIBC)
     monkeypatch.setattr(pagecache, "_LIBC", refusing)
     monkeypatch.setattr(pagecache, "_cachestat_works", True)
     fd = os.open(tmp_path / "sparse", os.O_RDONLY)
