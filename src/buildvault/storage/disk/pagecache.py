@@ -116,10 +116,10 @@ def holds_whole(fd: int, size: int) -> bool:
         return False
     if _cachestat_works:
         where, stat = _CachestatRange(0, size), _Cachestat()
-        if (
-            _LIBC.syscall(_SYS_CACHESTAT, ctypes.c_long(fd), ctypes.byref(where), ctypes.byref(stat), ctypes.c_long(0))
-            == 0
-        ):
+        asked = _LIBC.syscall(
+            _SYS_CACHESTAT, ctypes.c_long(fd), ctypes.byref(where), ctypes.byref(stat), ctypes.c_long(0)
+        )
+        if asked == 0:
             return bool(stat.nr_cache == (size + PAGE - 1) // PAGE)
         if ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):
             return False
