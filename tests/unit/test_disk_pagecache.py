@@ -181,3 +181,10 @@ def test_a_kernel_that_refuses_cachestat_is_asked_through_a_mapping(
         os.close(fd)
     assert refusing.calls == 1
     assert pagecache._cachestat_works is False
+
+
+def test_a_bad_descriptor_is_not_held_and_cachestat_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pagecache, "_cachestat_works", True)
+    assert not pagecache.holds_whole(-1, PAGE)  # EBADF
+    assert ctypes.get_errno() == errno.EBADF
+    assert pagecache._cachestat_works  # one call's error is not the kernel refusing cachestat
