@@ -36,12 +36,9 @@ MAX_BATCH_TOTAL_SIZE = (4 << 20) - (64 << 10)
 # The server's own send/receive message limit: the batch limit plus headroom for the digests,
 # statuses and framing around the blobs (about 100 bytes per blob).
 MAX_MESSAGE_SIZE = MAX_BATCH_TOTAL_SIZE + (4 << 20)
-# ByteStream.Read message size: the store's piece size, so each piece read goes out at once (a
-# blob kept as chunks: two or so joined). 2 MiB messages cost fewer send operations, but with
-# 1 MiB reads of blobs kept as chunks went from 1.11-1.16x BuildGrid 0.9.1 to 1.24-1.27x in
-# alternated runs (48 repetitions: 1.16x / 1.21x, against 1.07x / 1.12x), whole blobs the same
-# within noise (bench/notes/2026-12-06-reads-on-the-loop.md). Framed, a message stays far under
-# the 4 MiB inbound limit gRPC clients have by default.
+# ByteStream.Read message size: the store's piece size, so each piece goes out as it is read;
+# 2 MiB messages made reads of blobs kept as chunks slower (bench/notes/2026-12-06-reads-on-the-loop.md).
+# Framed, a message stays far under the 4 MiB inbound limit gRPC clients have by default.
 READ_CHUNK_SIZE = CHUNK_SIZE
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
