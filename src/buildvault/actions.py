@@ -17,11 +17,11 @@ An ActionResult is only worth serving if a client can fetch everything it names.
   and never serves an ActionResult whose blobs are missing from either.
 - A client's lookup (`get(counted=True)`: GetActionResult; `lookup_entry(counted=True)`: HTTP
   GET /ac/) is counted here, once for both protocols, as a hit or a miss (a missing, unreadable
-  or incomplete entry) under the protocol the front end named in storage.metrics'
+  or incomplete entry) under the protocol the front end named in storage's
   REQUEST_PROTOCOL; Execute's own cache check and HTTP HEAD are not lookups a client counts.
 
 Empty blobs are always present, as the REAPI requires: the store stack's rule
-(storage/empty_blob.py), which every BlobStore handed to ActionCache sits under.
+(storage.EmptyBlobStore), which every BlobStore handed to ActionCache sits under.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from google.protobuf.message import DecodeError
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, verify_instance_name
 from buildvault.remote_apis import re_pb2
-from buildvault.storage import ActionStore, BlobStore, NotFound, ac_namespace, single_chunk
-from buildvault.storage.metrics import REQUEST_PROTOCOL
+from buildvault.storage import REQUEST_PROTOCOL, ActionStore, BlobStore, NotFound, ac_namespace, single_chunk
 
 __all__ = [
     "ActionCache",

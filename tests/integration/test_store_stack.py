@@ -21,10 +21,15 @@ from buildvault.remote_apis import re_pb2
 from buildvault.server.app import App
 from buildvault.server.metrics import Metrics
 from buildvault.server.pins import PinRegistry
-from buildvault.storage import ActionStore, BlobStore
+from buildvault.storage import (
+    ActionStore,
+    BlobStore,
+    ForwardingActionStore,
+    ForwardingBlobStore,
+    MeteredActionStore,
+    MeteredBlobStore,
+)
 from buildvault.storage.build import Secondary, open_store_stack
-from buildvault.storage.decorator import ForwardingActionStore, ForwardingBlobStore
-from buildvault.storage.metrics import MeteredActionStore, MeteredBlobStore
 from buildvault.storage.objectstore.tiered import TieredActionStore, TieredBlobStore
 from buildvault.storage.processes.store_server import StoreServer
 

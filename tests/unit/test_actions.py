@@ -13,10 +13,8 @@ from buildvault.actions import (
 )
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
-from buildvault.storage import NotFound, ac_namespace
-from buildvault.storage.empty_blob import EmptyBlobStore, is_empty_blob
+from buildvault.storage import REQUEST_PROTOCOL, EmptyBlobStore, NotFound, ac_namespace, is_empty_blob
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
-from buildvault.storage.metrics import REQUEST_PROTOCOL
 
 B3 = DigestFunction.BLAKE3
 
@@ -296,7 +294,7 @@ async def test_corrupt_entry_is_a_miss(cache, stores):
 
 
 async def test_empty_blobs_are_always_present(cache, stores):
-    """The empty-blob rule is the stack's (storage/empty_blob.py); the ActionCache relies on it."""
+    """The empty-blob rule is the stack's (storage.EmptyBlobStore); the ActionCache relies on it."""
     blobs = over_stack(stores[0])
     empty = Digest.of(b"")
     assert is_empty_blob(empty) and is_empty_blob(Digest.of(b"", B3))

@@ -19,14 +19,22 @@ from s3_server import aws_env, create_bucket, s3_endpoint, session  # noqa: F401
 
 from buildvault.config import Settings
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import CHUNK_SIZE, ActionStore, BlobStore, DigestMismatch, InvalidRange, NotFound, fastsum
+from buildvault.storage import (
+    CHUNK_SIZE,
+    ActionStore,
+    BlobStore,
+    DigestMismatch,
+    EmptyBlobStore,
+    InvalidRange,
+    MeteredBlobStore,
+    NotFound,
+    fastsum,
+)
 from buildvault.storage.build import build_object_tier, open_store_stack
 from buildvault.storage.chunks import ChunkedBlobStore, ChunkingParams
 from buildvault.storage.disk import DiskBlobStore, DiskStorage
-from buildvault.storage.empty_blob import EmptyBlobStore
 from buildvault.storage.fail_open import FailOpenBlobStore, SlowTierHealth
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
-from buildvault.storage.metrics import MeteredBlobStore
 from buildvault.storage.objectstore.journal import UploadJournal
 from buildvault.storage.objectstore.presence import ExistenceCache
 from buildvault.storage.objectstore.tiered import TieredBlobStore

@@ -12,12 +12,21 @@ import pytest
 import urllib3.exceptions
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import BlobStore, DigestMismatch, InvalidRange, NotFound, Unavailable, single_chunk
-from buildvault.storage.decorator import ForwardingBlobStore
-from buildvault.storage.empty_blob import EmptyBlobStore
+from buildvault.storage import (
+    REQUEST_PROTOCOL,
+    BlobStore,
+    DigestMismatch,
+    EmptyBlobStore,
+    ForwardingBlobStore,
+    InvalidRange,
+    MeteredActionStore,
+    MeteredBlobStore,
+    NotFound,
+    Unavailable,
+    single_chunk,
+)
 from buildvault.storage.fail_open import FailOpenActionStore, FailOpenBlobStore, SlowTierHealth
 from buildvault.storage.memory import MemoryActionStore, MemoryBlobStore
-from buildvault.storage.metrics import REQUEST_PROTOCOL, MeteredActionStore, MeteredBlobStore
 from buildvault.storage.objectstore.presence import ExistenceCache, PresenceIndex
 
 EMPTY = Digest.of(b"")

@@ -61,7 +61,7 @@ async def missing_inputs(blobs: BlobStore, root: Digest) -> list[Digest]:
     seen: set[Digest] = {root}
     level = [root]
     while level:
-        found = await blobs.read_blobs(level)  # the empty Directory too: storage/empty_blob.py
+        found = await blobs.read_blobs(level)  # the empty Directory too: storage.EmptyBlobStore
         contents: dict[Digest, bytes] = {}
         for digest, data in zip(level, found, strict=True):
             if isinstance(data, NotFound):

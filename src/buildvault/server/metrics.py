@@ -16,7 +16,7 @@ object store's fixed request kinds), upload journal backlog and oldest pending a
 attempts ok/failed, bytes uploaded, presence-index size, tier health, and the tier's CAS/AC
 events (fast/slow hits, backfills, lost uploads, ...). Without a bucket none of them appear.
 
-Every store tier reports at its boundary (`Metrics` is storage.metrics' `StoreRecorder`): calls
+Every store tier reports at its boundary (`Metrics` is storage's `StoreRecorder`): calls
 by tier and operation, blob bytes read and written, action-entry lookups by result, with the
 tier names of storage/build.py (`client`, `local`, `object_store`; without a bucket only
 `client`, which is then the disk store). The client tier's bytes are
@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from buildvault.storage.metrics import CLIENT_TIER
+from buildvault.storage import CLIENT_TIER
 
 __all__ = ["Metrics", "StorageSnapshot", "CONTENT_TYPE_LATEST"]
 
@@ -400,7 +400,7 @@ class Metrics:
             ["protocol", "reason"],
             registry=r,
         )
-        # Per-tier counts from the store boundary (storage.metrics.MeteredBlobStore/-ActionStore).
+        # Per-tier counts from the store boundary (storage.MeteredBlobStore/-ActionStore).
         self.store_calls = Counter(
             f"{PREFIX}_store_calls", "Calls into a store tier, by tier and operation (a batch is one call).",
             ["tier", "operation"], registry=r,
@@ -509,9 +509,9 @@ class Metrics:
     def ipc_request(self, process: str) -> None:
         self._child(self.ipc_requests, process).inc()
 
-    # -- the store boundary (storage.metrics.StoreRecorder) -------------------------------------
+    # -- the store boundary (storage.StoreRecorder) -------------------------------------
     # The client-facing tier's bytes also count per protocol, for the front end that named itself
-    # in storage.metrics.REQUEST_PROTOCOL (the gRPC wrapper and the HTTP middleware do).
+    # in storage.REQUEST_PROTOCOL (the gRPC wrapper and the HTTP middleware do).
 
     def store_call(self, tier: str, operation: str) -> None:
         self._child(self.store_calls, tier, operation).inc()

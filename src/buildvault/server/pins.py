@@ -27,8 +27,7 @@ from buildvault import pins
 from buildvault.actions import read_blob
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.remote_apis import re_pb2
-from buildvault.storage import ActionStore, BlobStore, NotFound, StorageError
-from buildvault.storage.decorator import ForwardingActionStore
+from buildvault.storage import ActionStore, BlobStore, ForwardingActionStore, NotFound, StorageError
 
 if TYPE_CHECKING:
     from buildvault.storage.build import ChunkParts

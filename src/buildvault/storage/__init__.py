@@ -18,7 +18,7 @@ Contracts every implementation keeps:
 Batch paths (`find_missing_indices`, `read_blobs`, `write_blobs`) are part of the protocol: a
 request makes one store call whatever the stack. A store without a faster way implements them
 with the `*_by_digests` / `*_one_by_one` helpers below; a decorator forwards them
-(storage.decorator.ForwardingBlobStore) unless it changes them.
+(`ForwardingBlobStore`, below) unless it changes them.
 
 `store_verified` is the one internal path: whole blobs whose caller hashed these exact bytes
 itself, in this process, just before (the chunk store, for the chunks it cut and named), each with
@@ -31,12 +31,17 @@ nothing. Bytes other than those the caller hashed (a right-size wrong-bytes pair
 caller) are never served: they fail that checksum (tests/unit/test_store_contract.py holds each
 store to that). No front end calls it: bytes from a client are always verified by `write` /
 `write_blobs`.
+
+The decorators every stack has live here too, one section each at the end: the forwarding bases
+every decorator derives from, the empty blob (its one home) and the metering at the store
+boundary (the one place bytes and action hits are counted, for gRPC and HTTP alike).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -47,12 +52,18 @@ __all__ = [
     "BlobStore",
     "CapacityExceeded",
     "DigestMismatch",
+    "EmptyBlobStore",
+    "ForwardingActionStore",
+    "ForwardingBlobStore",
     "InvalidDigest",
     "InvalidRange",
+    "MeteredActionStore",
+    "MeteredBlobStore",
     "OneByOneBatches",
     "NotFound",
     "StorageError",
     "StorageFull",
+    "StoreRecorder",
     "Unavailable",
     "Verified",
     "ac_namespace",
@@ -63,7 +74,10 @@ __all__ = [
     "read_blobs_one_by_one",
     "single_chunk",
     "write_blobs_one_by_one",
+    "is_empty_blob",
     "CHUNK_SIZE",
+    "CLIENT_TIER",
+    "REQUEST_PROTOCOL",
 ]
 
 # Chunk size for streaming reads: large enough to amortise syscalls and gRPC messages,
@@ -113,7 +127,7 @@ class Unavailable(StorageError):
 @runtime_checkable
 class BlobStore(Protocol):
     """The CAS. Every method a front end uses is here, batch paths included: a decorator that
-    does not change a method forwards it (storage.decorator), so no fast path is lost under it."""
+    does not change a method forwards it (`ForwardingBlobStore`), so no fast path is lost under it."""
 
     async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
         """The subset of `digests` not stored, in input order, without duplicates."""
@@ -254,3 +268,272 @@ async def close_chunks(chunks: object) -> None:
     if close is not None:
         with contextlib.suppress(Exception):
             await close()
+
+
+# -- Forwarding bases for decorators ---------------------------------------------------------------
+# Forwarding bases for store decorators.
+#
+# Like a bb-storage BlobAccess decorator that embeds the interface it wraps, a decorator derives
+# from `ForwardingBlobStore` / `ForwardingActionStore` and overrides only the methods whose
+# behaviour it changes; every other method, batch paths included, reaches the inner store as it
+# is. The one exception is `store_verified` (bytes the caller hashed itself): it goes through the
+# decorator's own `write_blobs`, verified, unless the decorator forwards it on purpose, so a
+# decorator that changes writes never has them bypass it. Nothing is found by probing for
+# attributes, so no fast path is silently lost under a wrapper.
+
+
+class ForwardingBlobStore:
+    """A BlobStore that forwards every call to `inner`."""
+
+    def __init__(self, inner: BlobStore) -> None:
+        self.inner = inner
+
+    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        return await self.inner.find_missing(digests)
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        return await self.inner.find_missing_indices(function, hashes, sizes)
+
+    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
+        return await self.inner.read(digest, offset, limit)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        return await self.inner.read_blobs(digests)
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        await self.inner.write(digest, chunks)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        return await self.inner.write_blobs(items)
+
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
+        return await self.write_blobs(as_pairs(items))  # see the module docstring: verified unless overridden
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        return await self.inner.lookup(function, hash)
+
+
+class ForwardingActionStore:
+    """An ActionStore that forwards every call to `inner`."""
+
+    def __init__(self, inner: ActionStore) -> None:
+        self.inner = inner
+
+    async def get(self, namespace: str, digest: Digest) -> bytes:
+        return await self.inner.get(namespace, digest)
+
+    async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
+        await self.inner.put(namespace, digest, data)
+
+
+# -- The empty blob --------------------------------------------------------------------------------
+# The empty blob is always present and readable, stored or not.
+#
+# Why a decorator: the REAPI lets clients assume the empty blob exists without uploading it
+# (Bazel never uploads it). Every answer about it (FindMissingBlobs, reads, batch reads, lookups by
+# hash) is given here, once, instead of by each front end; a write of it stores nothing. Like
+# bb-storage's EmptyBlobInjectingBlobAccess. Calls that involve no empty blob reach the inner
+# store unchanged: the batch paths check `0 in sizes` first, so a batch without one costs nothing.
+
+
+EMPTY_HASHES: dict[DigestFunction, str] = {function: Digest.of(b"", function).hash for function in DigestFunction}
+
+
+def is_empty_blob(digest: Digest) -> bool:
+    """True for the empty blob of the digest's function (size 0 and the hash of no bytes)."""
+    return digest.size_bytes == 0 and digest.hash == EMPTY_HASHES[digest.function]
+
+
+async def _no_chunks() -> AsyncIterator[bytes]:
+    return
+    yield  # pragma: no cover - makes this an async generator
+
+
+class EmptyBlobStore(ForwardingBlobStore):
+    """A BlobStore on which the empty blob is always present; everything else is forwarded."""
+
+    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        if not any(d.size_bytes == 0 for d in digests):
+            return await self.inner.find_missing(digests)
+        return await self.inner.find_missing([d for d in digests if not is_empty_blob(d)])
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        absent = await self.inner.find_missing_indices(function, hashes, sizes)
+        if absent and 0 in sizes:
+            empty = EMPTY_HASHES[function]
+            absent = [i for i in absent if sizes[i] != 0 or hashes[i] != empty]
+        return absent
+
+    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
+        if not is_empty_blob(digest):
+            return await self.inner.read(digest, offset, limit)
+        if offset != 0 or limit < 0:
+            raise InvalidRange(f"read offset {offset}/limit {limit} out of range for the empty blob")
+        return _no_chunks()
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        if not any(d.size_bytes == 0 for d in digests):
+            return await self.inner.read_blobs(digests)
+        stored = [i for i, d in enumerate(digests) if not is_empty_blob(d)]
+        results: list[bytes | Exception] = [b""] * len(digests)
+        if stored:
+            for i, result in zip(stored, await self.inner.read_blobs([digests[i] for i in stored]), strict=True):
+                results[i] = result
+        return results
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        if not is_empty_blob(digest):
+            await self.inner.write(digest, chunks)
+            return
+        async for chunk in chunks:
+            if chunk:
+                raise DigestMismatch(f"blob {digest}: declared empty, got bytes")
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        if not any(d.size_bytes == 0 for d, _ in items):
+            return await self.inner.write_blobs(items)
+        outcomes: list[Exception | None] = [None] * len(items)
+        stored = [i for i, (d, _) in enumerate(items) if not is_empty_blob(d)]
+        for i, (d, data) in enumerate(items):
+            if is_empty_blob(d) and data:
+                outcomes[i] = DigestMismatch(f"blob {d}: declared empty, got {len(data)} bytes")
+        if stored:
+            for i, outcome in zip(stored, await self.inner.write_blobs([items[i] for i in stored]), strict=True):
+                outcomes[i] = outcome
+        return outcomes
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        if hash == EMPTY_HASHES[function]:
+            return Digest(hash, 0, function)
+        return await self.inner.lookup(function, hash)
+
+
+# -- Metering at the store boundary ----------------------------------------------------------------
+# Per-tier metrics, counted at the store boundary.
+#
+# Why a decorator: bytes read and written and action-entry hits are facts about a store, so they
+# are counted where a store is called, once per tier (the builder wraps every tier), instead of by
+# parsing protocol messages in a front end. storage/ defines no metric: it reports to a
+# `StoreRecorder` (server/metrics.py's `Metrics` is one), which owns the names.
+#
+# The front end of a request may set `REQUEST_PROTOCOL` (e.g. "grpc") for the request's duration;
+# the recorder receives it with every count, so the outermost tier can carry the protocol label.
+# Batch calls are counted as one call; the per-blob work is a sum over the results.
+
+
+# The tier that clients see (the whole stack); build.py names the others.
+CLIENT_TIER = "client"
+
+REQUEST_PROTOCOL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "buildvault_request_protocol", default=None
+)
+
+
+class StoreRecorder(Protocol):
+    """Where a metered store reports. `tier` is the builder's name for the store ("client",
+    "local", "object_store"); `protocol` is REQUEST_PROTOCOL at the time of the call."""
+
+    def store_call(self, tier: str, operation: str) -> None: ...
+
+    def store_read(self, tier: str, protocol: str | None, nbytes: int) -> None: ...
+
+    def store_written(self, tier: str, protocol: str | None, nbytes: int) -> None: ...
+
+    def store_action_lookup(self, tier: str, protocol: str | None, hit: bool) -> None: ...
+
+
+class MeteredBlobStore(ForwardingBlobStore):
+    """Counts calls by operation and the blob bytes that cross this boundary."""
+
+    def __init__(self, inner: BlobStore, recorder: StoreRecorder, tier: str) -> None:
+        super().__init__(inner)
+        self.recorder = recorder
+        self.tier = tier
+
+    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        self.recorder.store_call(self.tier, "find_missing")
+        return await self.inner.find_missing(digests)
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        self.recorder.store_call(self.tier, "find_missing")
+        return await self.inner.find_missing_indices(function, hashes, sizes)
+
+    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
+        self.recorder.store_call(self.tier, "read")
+        chunks = await self.inner.read(digest, offset, limit)
+        return self._counted(chunks, REQUEST_PROTOCOL.get())
+
+    async def _counted(self, chunks: AsyncIterator[bytes], protocol: str | None) -> AsyncIterator[bytes]:
+        total = 0
+        try:
+            async for chunk in chunks:
+                total += len(chunk)
+                yield chunk
+        finally:
+            await close_chunks(chunks)
+            if total:
+                self.recorder.store_read(self.tier, protocol, total)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        self.recorder.store_call(self.tier, "read_blobs")
+        results = await self.inner.read_blobs(digests)
+        total = sum(len(r) for r in results if isinstance(r, bytes))
+        if total:
+            self.recorder.store_read(self.tier, REQUEST_PROTOCOL.get(), total)
+        return results
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        self.recorder.store_call(self.tier, "write")
+        await self.inner.write(digest, chunks)
+        if digest.size_bytes:
+            self.recorder.store_written(self.tier, REQUEST_PROTOCOL.get(), digest.size_bytes)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        self.recorder.store_call(self.tier, "write_blobs")
+        return self._written(items, await self.inner.write_blobs(items))
+
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
+        # Forwarded on purpose (metering changes no bytes): the local tier's fast path stays.
+        self.recorder.store_call(self.tier, "write_blobs")
+        return self._written(as_pairs(items), await self.inner.store_verified(items))
+
+    def _written(
+        self, items: Sequence[tuple[Digest, bytes]], outcomes: list[Exception | None]
+    ) -> list[Exception | None]:
+        total = sum(len(data) for (_, data), outcome in zip(items, outcomes, strict=True) if outcome is None)
+        if total:
+            self.recorder.store_written(self.tier, REQUEST_PROTOCOL.get(), total)
+        return outcomes
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        self.recorder.store_call(self.tier, "lookup")
+        return await self.inner.lookup(function, hash)
+
+
+class MeteredActionStore(ForwardingActionStore):
+    """Counts calls and action-entry lookups that found / did not find an entry."""
+
+    def __init__(self, inner: ActionStore, recorder: StoreRecorder, tier: str) -> None:
+        super().__init__(inner)
+        self.recorder = recorder
+        self.tier = tier
+
+    async def get(self, namespace: str, digest: Digest) -> bytes:
+        self.recorder.store_call(self.tier, "get")
+        try:
+            data = await self.inner.get(namespace, digest)
+        except NotFound:
+            self.recorder.store_action_lookup(self.tier, REQUEST_PROTOCOL.get(), False)
+            raise
+        self.recorder.store_action_lookup(self.tier, REQUEST_PROTOCOL.get(), True)
+        return data
+
+    async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
+        self.recorder.store_call(self.tier, "put")
+        await self.inner.put(namespace, digest, data)

@@ -46,12 +46,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from buildvault.config import Settings, format_size
 from buildvault.digest import Digest
-from buildvault.storage import ActionStore, BlobStore, StorageError
+from buildvault.storage import (
+    CLIENT_TIER,
+    ActionStore,
+    BlobStore,
+    EmptyBlobStore,
+    MeteredActionStore,
+    MeteredBlobStore,
+    StorageError,
+    StoreRecorder,
+)
 from buildvault.storage.chunks import ChunkedBlobStore
 from buildvault.storage.chunks.store import NAMESPACE as CHUNK_LISTS
-from buildvault.storage.empty_blob import EmptyBlobStore
 from buildvault.storage.fail_open import FailOpenActionStore, FailOpenBlobStore, SlowTierHealth
-from buildvault.storage.metrics import CLIENT_TIER, MeteredActionStore, MeteredBlobStore, StoreRecorder
 from buildvault.storage.objectstore.journal import UploadJournal
 from buildvault.storage.objectstore.last_use import LastUseRefresher
 from buildvault.storage.objectstore.presence import ExistenceCache, PresenceIndex

@@ -30,12 +30,13 @@ from buildvault.storage import (
     ActionStore,
     BlobStore,
     DigestMismatch,
+    ForwardingActionStore,
+    ForwardingBlobStore,
     InvalidRange,
     NotFound,
     Unavailable,
     close_chunks,
 )
-from buildvault.storage.decorator import ForwardingActionStore, ForwardingBlobStore
 
 logger = logging.getLogger(__name__)
 

@@ -301,7 +301,7 @@ class ByteStreamService:
         self.uploads = uploads if uploads is not None else Uploads(blobs)
 
     async def _exists(self, resource: ResourceName) -> bool:
-        return not await self.blobs.find_missing([resource.digest])  # the empty blob: storage/empty_blob.py
+        return not await self.blobs.find_missing([resource.digest])  # the empty blob: storage.EmptyBlobStore
 
     @rpc("Read")
     async def Read(self, request: bs_pb2.ReadRequest, context: Context) -> None:
@@ -317,7 +317,7 @@ class ByteStreamService:
         if offset > digest.size_bytes:
             raise errors.OutOfRange(f"read_offset {offset} is past the end of {digest}")
         logs.note(resource=str(digest), offset=offset, limit=limit, compressor=resource.compressor)
-        try:  # the empty blob is always there: storage/empty_blob.py
+        try:  # the empty blob is always there: storage.EmptyBlobStore
             source: AsyncIterator[bytes] = await self.blobs.read(digest, offset, limit)
         except InvalidRange as e:
             raise errors.OutOfRange(str(e)) from None

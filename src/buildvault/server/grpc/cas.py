@@ -96,7 +96,7 @@ class CasService:
         # No Digest objects on the hot path; the reply echoes the request's messages.
         messages = request.blob_digests
         hashes, sizes = _fields(messages, function)
-        absent = await self.blobs.find_missing_indices(function, hashes, sizes)  # the empty blob: storage/empty_blob.py
+        absent = await self.blobs.find_missing_indices(function, hashes, sizes)  # empty blob: storage.EmptyBlobStore
         logs.note(digests=len(hashes), missing=len(absent))
         return re_pb2.FindMissingBlobsResponse(missing_blob_digests=[messages[i] for i in absent])
 
@@ -178,7 +178,7 @@ class CasService:
                 except Exception as exc:  # per-blob status
                     outcomes[i] = exc
                     continue
-            wanted.append(digest)  # the empty blob is always there: storage/empty_blob.py
+            wanted.append(digest)  # the empty blob is always there: storage.EmptyBlobStore
             where.append(i)
         for i, outcome in zip(where, await self.blobs.read_blobs(wanted), strict=True):  # one store call for the batch
             outcomes[i] = outcome

@@ -3,7 +3,7 @@ that times each RPC and records its status.
 
 Metrics are defined in server/metrics.py; this module only feeds them. Blob bytes and AC hits
 are not counted here but where both protocols share the path (the store boundary,
-storage.metrics; the ActionCache, actions.py), under the protocol this wrapper names in
+storage.MeteredBlobStore; the ActionCache, actions.py), under the protocol this wrapper names in
 REQUEST_PROTOCOL.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from buildvault.server.metrics import GRPC_METHODS, GRPC_SERVICES, Metrics
-from buildvault.storage.metrics import REQUEST_PROTOCOL
+from buildvault.storage import REQUEST_PROTOCOL
 
 __all__ = ["grpc_labels", "metered"]
 

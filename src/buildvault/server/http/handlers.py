@@ -61,7 +61,7 @@ PAGES = frozenset({"/", "/status", "/status.html", "/metrics"})
 class CacheHandlers:
     """The /ac/ and /cas/ handlers of one app, over injected stores and ActionCache semantics.
 
-    They count nothing themselves: bytes are counted at the store boundary (storage/metrics.py)
+    They count nothing themselves: bytes are counted at the store boundary (storage.MeteredBlobStore)
     and AC hits by the ActionCache, under the protocol the request middleware names."""
 
     def __init__(
@@ -109,7 +109,7 @@ class CacheHandlers:
     # -- CAS -------------------------------------------------------------------------------------
     async def _get_cas(self, request: web.Request, path: CachePath) -> web.StreamResponse:
         # HTTP names a blob by its hash alone: the store finds its size in its own index (and
-        # knows the empty blob: storage/empty_blob.py).
+        # knows the empty blob: storage.EmptyBlobStore).
         digest = await self.cas.lookup(DigestFunction.SHA256, path.hash)  # NotFound: 404
         size = digest.size_bytes
         if request.method == "HEAD":

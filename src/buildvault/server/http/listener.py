@@ -24,8 +24,7 @@ from buildvault.server.http.recorded import history_middleware
 from buildvault.server.http.status import StatusPages
 from buildvault.server.metrics import Metrics, http_method_label
 from buildvault.server.services import Services, StartupError, StatsSource, format_address
-from buildvault.storage import ActionStore, BlobStore
-from buildvault.storage.metrics import REQUEST_PROTOCOL
+from buildvault.storage import REQUEST_PROTOCOL, ActionStore, BlobStore
 
 __all__ = ["HANDLERS_KEY", "STATUS_KEY", "HttpListener", "create_app"]
 

@@ -48,6 +48,7 @@ from buildvault.storage import (
     ActionStore,
     BlobStore,
     DigestMismatch,
+    ForwardingBlobStore,
     InvalidRange,
     NotFound,
     StorageFull,
@@ -57,7 +58,6 @@ from buildvault.storage import (
     write_blobs_one_by_one,
 )
 from buildvault.storage.chunks.chunker import ChunkingParams, Piece, StreamCutter
-from buildvault.storage.decorator import ForwardingBlobStore
 
 log = logging.getLogger(__name__)
 

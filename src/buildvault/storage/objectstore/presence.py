@@ -16,8 +16,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 
 from buildvault.digest import Digest, DigestFunction
-from buildvault.storage import BlobStore, NotFound, Unavailable
-from buildvault.storage.decorator import ForwardingBlobStore
+from buildvault.storage import BlobStore, ForwardingBlobStore, NotFound, Unavailable
 
 
 class PresenceIndex:
