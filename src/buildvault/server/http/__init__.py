@@ -6,14 +6,13 @@ Endpoints (see docs/http.md): `GET|HEAD|PUT /{instance…}/cas/{sha256}` (CAS bl
 
 The package, by job:
 
-- protocol.py   HTTP-level rules: the URL grammar (CachePath, ccache keys), headers, body
-                framing, errors as responses
-- handlers.py   GET/HEAD/PUT of /ac/ and /cas/
+- handlers.py   GET/HEAD/PUT of /ac/ and /cas/, and the HTTP-level rules they parse with: the
+                URL grammar (CachePath, ccache keys), headers, body framing, errors as responses
 - status.py     the status document, its HTML page, /metrics
 - listener.py   the aiohttp app, its middleware, the App listener
 """
 
+from buildvault.server.http.handlers import CachePath, ccache_key_to_hash, parse_cache_path
 from buildvault.server.http.listener import HttpListener, create_app
-from buildvault.server.http.protocol import CachePath, ccache_key_to_hash, parse_cache_path
 
 __all__ = ["CachePath", "HttpListener", "ccache_key_to_hash", "create_app", "parse_cache_path"]

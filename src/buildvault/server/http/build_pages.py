@@ -47,7 +47,7 @@ from buildvault.server.auth.http_auth import CHALLENGE, PRINCIPAL
 from buildvault.server.auth.policy import Refusal
 from buildvault.server.http import html_page as h
 from buildvault.server.http.build_render import render_comparison, render_explanation, render_invocation, usage_section
-from buildvault.server.http.protocol import REQUEST_KIND
+from buildvault.server.http.handlers import REQUEST_KIND
 from buildvault.storage import ActionStore, BlobStore, NotFound, ac_namespace
 
 __all__ = ["BuildPages", "DEFAULT_SECRET_PATTERNS"]

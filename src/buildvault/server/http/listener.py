@@ -18,8 +18,7 @@ from buildvault.history import Recorder
 from buildvault.server.auth import Auth
 from buildvault.server.auth.http_auth import HEALTHZ, auth_middleware, healthz
 from buildvault.server.http.build_pages import DEFAULT_SECRET_PATTERNS, BuildPages
-from buildvault.server.http.handlers import DEFAULT_MAX_ENTRY_SIZE, CacheHandlers
-from buildvault.server.http.protocol import REQUEST_KIND, parse_cache_path
+from buildvault.server.http.handlers import DEFAULT_MAX_ENTRY_SIZE, REQUEST_KIND, CacheHandlers, parse_cache_path
 from buildvault.server.http.recorded import history_middleware
 from buildvault.server.http.status import StatusPages
 from buildvault.server.metrics import Metrics, http_method_label

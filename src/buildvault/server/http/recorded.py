@@ -15,7 +15,7 @@ from aiohttp import web
 from buildvault.digest import InvalidDigest
 from buildvault.history import Recorder
 from buildvault.history.metadata import NONE
-from buildvault.server.http.protocol import REQUEST_KIND, parse_cache_path
+from buildvault.server.http.handlers import REQUEST_KIND, parse_cache_path
 
 __all__ = ["history_middleware"]
 

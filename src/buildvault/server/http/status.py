@@ -19,7 +19,7 @@ from aiohttp import web
 from buildvault.config import format_size
 from buildvault.server.history import History
 from buildvault.server.http.charts import charts
-from buildvault.server.http.protocol import REQUEST_KIND
+from buildvault.server.http.handlers import REQUEST_KIND
 from buildvault.server.metrics import Metrics
 from buildvault.server.services import PinsSource, StatsSource
 
