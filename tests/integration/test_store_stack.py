@@ -28,6 +28,7 @@ from buildvault.storage import (
     ForwardingBlobStore,
     MeteredActionStore,
     MeteredBlobStore,
+    NotFound,
 )
 from buildvault.storage.build import Secondary, open_store_stack
 from buildvault.storage.objectstore.tiered import TieredActionStore, TieredBlobStore
@@ -145,7 +146,7 @@ TIERED_BLOBS = [
     "slow: MeteredBlobStore(object_store) > FailOpenBlobStore > ExistenceCache > ObjectStore]",
 ]
 TIERED_ACTIONS = [
-    "PinningActionStore",
+    "WatchedPinningActionStore",  # a bucket is followed: namespaces asked about are noted
     "MeteredActionStore(client)",
     "TieredActionStore[fast: MeteredActionStore(local) > DiskActionStore; "
     "slow: MeteredActionStore(object_store) > FailOpenActionStore > ObjectStore]",
@@ -165,6 +166,9 @@ async def test_disk_only_stack(tmp_path: Path) -> None:
         assert stack.object_tier is None and stack.remote is None
         assert isinstance(stack.pins, PinRegistry)
         assert stack.max_blob_size == Settings().max_size and stack.local_stats is not None
+        with pytest.raises(NotFound):
+            await stack.actions.get("ac/team-a", Digest("ab" * 32, 1))
+        assert "ac/team-a" not in stack.pins.known  # no bucket to follow: nothing asked is noted
     finally:
         await stack.aclose()
 
@@ -180,6 +184,10 @@ async def test_disk_and_bucket_stack(tmp_path: Path, s3_endpoint: str, bucket: s
         assert tier.journal is not None and tier.last_use is not None  # it writes the bucket
         assert not tier.cas.read_only and not tier.ac.read_only
         assert f"bucket {bucket} at {s3_endpoint}" in stack.label
+        assert isinstance(stack.pins, PinRegistry) and "ac/team-a" not in stack.pins.known
+        with pytest.raises(NotFound):
+            await stack.actions.get("ac/team-a", Digest("ab" * 32, 1))
+        assert "ac/team-a" in stack.pins.known  # the watcher reads its pin index from now on
     finally:
         await stack.aclose()
 

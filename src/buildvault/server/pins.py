@@ -9,7 +9,8 @@ entries). It learns a pin index three ways:
 - at start-up, from the local tier, for every instance that has entries there (`load`);
 - when one is written through this server, for any instance (`PinningActionStore.put`);
 - with a bucket, every `pins_refresh` seconds from the bucket, for every instance known here
-  (on disk, or asked about since start-up): pins set through another server (`PinWatcher`).
+  (on disk, or asked about since start-up: `WatchedPinningActionStore`): pins set through
+  another server (`PinWatcher`).
 A pin index that cannot be read protects nothing new and never fails a write. The registry is
 the stack's `PinLayer` (storage/build.py puts it in: `open_store_stack(..., pins=PinRegistry)`).
 """
@@ -179,9 +180,10 @@ class PinRegistry:
             await self._apply()
         return changed
 
-    def wrap(self, actions: ActionStore) -> ActionStore:
-        """`actions`, telling this registry of every pin index written through it."""
-        return PinningActionStore(actions, self)
+    def wrap(self, actions: ActionStore, watched: bool) -> ActionStore:
+        """`actions`, telling this registry of every pin index written through it; `watched` (a
+        bucket is followed), of every namespace asked about too."""
+        return WatchedPinningActionStore(actions, self) if watched else PinningActionStore(actions, self)
 
     def watch(self, source: ActionStore, local: ActionStore, interval: float) -> Callable[[], Awaitable[None]]:
         """Start refreshing from `source` (the bucket) every `interval` seconds; returns what stops it."""
@@ -216,10 +218,6 @@ class PinningActionStore(ForwardingActionStore):
         super().__init__(inner)
         self.registry = registry
 
-    async def get(self, namespace: str, digest: Digest) -> bytes:
-        self.registry.seen(namespace)  # a set lookup: an instance asked about is one to watch
-        return await self.inner.get(namespace, digest)
-
     async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
         await self.inner.put(namespace, digest, data)
         self.registry.seen(namespace)
@@ -228,6 +226,16 @@ class PinningActionStore(ForwardingActionStore):
                 await self.registry.learn(namespace, data)
             except Exception:  # a pin bookkeeping failure must not fail the write
                 log.warning("could not apply the pin index of %s", namespace, exc_info=True)
+
+
+class WatchedPinningActionStore(PinningActionStore):
+    """With a bucket followed: also notes each namespace asked about, whose pin index the watcher
+    then reads (pins another server set for an instance this one serves). Without a bucket no
+    one reads those notes, so reads pass the plain PinningActionStore untouched."""
+
+    async def get(self, namespace: str, digest: Digest) -> bytes:
+        self.registry.seen(namespace)  # a set lookup
+        return await self.inner.get(namespace, digest)
 
 
 class PinWatcher:

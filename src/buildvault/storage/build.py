@@ -22,7 +22,8 @@ The primary's CAS stack, outermost first (every tier metered under its own name)
             fast: MeteredBlobStore("local") > DiskBlobStore
             slow: MeteredBlobStore("object_store") > FailOpen > ExistenceCache > ObjectStore
 
-and its action stack: PinningActionStore (when `pins` is given) > MeteredActionStore("client") >
+and its action stack: PinningActionStore (when `pins` is given; WatchedPinningActionStore with a
+bucket) > MeteredActionStore("client") >
 TieredActionStore (only with a bucket; fast: MeteredActionStore("local") > DiskActionStore, slow:
 MeteredActionStore("object_store") > FailOpenActionStore > ObjectStore).
 
@@ -82,8 +83,9 @@ class PinLayer(Protocol):
     """Golden versions (server/pins.py's PinRegistry): which entries the local tier's eviction
     keeps. Handed in as a factory, like `EntryValidator`: storage parses no REAPI message."""
 
-    def wrap(self, actions: ActionStore) -> ActionStore:
-        """The action store that tells the layer of every pin index written through it."""
+    def wrap(self, actions: ActionStore, watched: bool) -> ActionStore:
+        """The action store that tells the layer of every pin index written through it, and, when
+        `watched` (it will follow a bucket), of every namespace asked about."""
 
     async def load(self, actions: ActionStore, namespaces: Iterable[str]) -> None:
         """Read the pin indexes of `namespaces` (at start-up, from the local tier)."""
@@ -246,7 +248,7 @@ def _chunk_parts(chunked: ChunkedBlobStore) -> ChunkParts:
 async def _add_pins(stack: StoreStack, settings: Settings, pins: PinFactory, chunk_parts: ChunkParts) -> None:
     """The pin layer outermost on the action side; the pin indexes read before anyone is served."""
     layer = stack.pins = pins(stack.blobs, stack.protect, chunk_parts)
-    stack.actions = layer.wrap(stack.actions)
+    stack.actions = layer.wrap(stack.actions, watched=stack.object_tier is not None)
     # Start-up reads every instance's pin index from the local tier (never waiting on, or
     # counting a miss in, the bucket); pins set through other servers come from the bucket later.
     namespaces = await stack.namespaces() if stack.namespaces is not None else ["ac"]
