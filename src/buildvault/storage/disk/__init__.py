@@ -6,9 +6,9 @@ One process per root (an flock on root/LOCK). The modules, one concern each:
     records      small blobs and action entries as LMDB records: format, checks, charge
     core         the one owner of the shared state: the in-memory index (LRU order, space,
                  reservations, eviction choice, action entries in memory, FindMissingBlobs)
-                 and what is in flight; claims, publishes, eviction, healing
-    fileops      file operations run in the worker threads; temp files; the pool and its
-                 coalescer (one trip per event-loop iteration for small operations)
+                 and what is in flight; claims, publishes, eviction, healing; the worker pool
+                 and its coalescer (one trip per event-loop iteration for small operations)
+    fileops      file operations run in the worker threads; temp files
     writes       the two faces (DiskBlobStore, DiskActionStore), where a request enters; the
                  write path: receive, verify, publish; BatchUpdateBlobs
     reads        ranged reads, batches, lookup by hash, action entries; the chunk iterators
