@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
 from bench.harness import memory_kib  # noqa: E402
 from buildvault.digest import Digest  # noqa: E402
 from buildvault.storage.disk import DiskStorage, records  # noqa: E402
-from buildvault.storage.disk.layout import cas_key  # noqa: E402
+from buildvault.storage.disk.core import cas_key  # noqa: E402
 
 
 def create_blobs(root: Path, count: int, write: bool = True) -> list[Digest]:

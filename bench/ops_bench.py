@@ -34,7 +34,7 @@ from buildvault.admin import gc, verify
 from buildvault.config import Settings
 from buildvault.digest import Digest
 from buildvault.storage.disk import DiskStorage, records
-from buildvault.storage.disk.layout import cas_key
+from buildvault.storage.disk.core import cas_key
 
 
 def _write_blob(root: Path, data: bytes) -> None:

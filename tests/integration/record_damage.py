@@ -11,7 +11,7 @@ from pathlib import Path
 import lmdb
 
 from buildvault.digest import Digest
-from buildvault.storage.disk.layout import cas_key
+from buildvault.storage.disk.core import cas_key
 
 MAP_SIZE = 1 << 34  # at least the server's map: LMDB keeps the larger
 

@@ -20,7 +20,7 @@ from s3_server import tier_args, wait_drained
 from buildvault import pins
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
-from buildvault.storage.disk.layout import AcKeys
+from buildvault.storage.disk.core import AcKeys
 
 # Fixtures bound by assignment: a parameter requesting one is no redefinition to the linter.
 aws_env = s3_server.aws_env

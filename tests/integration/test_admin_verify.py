@@ -31,7 +31,7 @@ from s3_server import REGION, raw_client, tier_args, wait_drained
 from buildvault.digest import Digest
 from buildvault.remote_apis import re_pb2
 from buildvault.storage.chunks.chunker import ChunkingParams, cut
-from buildvault.storage.disk.layout import AcKeys, cas_key
+from buildvault.storage.disk.core import AcKeys, cas_key
 
 # Fixtures bound by assignment: a parameter requesting one is no redefinition to the linter.
 aws_env = s3_server.aws_env

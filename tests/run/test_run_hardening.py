@@ -13,7 +13,7 @@ from buildvault.client.remote import Remote
 from buildvault.client.run.lock import KeyLock
 from buildvault.digest import Digest, DigestFunction
 from buildvault.remote_apis import re_pb2
-from buildvault.storage.disk.layout import cas_key
+from buildvault.storage.disk.core import cas_key
 from buildvault.storage.disk.records import RECORD_LIMIT
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from buildvault.digest import Digest
-from buildvault.storage.disk import DiskStorage, layout, records
+from buildvault.storage.disk import DiskStorage, records
+from buildvault.storage.disk.core import held
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from polling import wait_until
@@ -109,4 +110,4 @@ def either_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 def entry_cost(size: int) -> int:
     """What a blob of `size` bytes counts for in the cap under the current record limit."""
     key = b"\x01" * 39  # a CAS key's length
-    return records.charge(key, size) if layout.held(records.RECORD_LIMIT, key, size) else size
+    return records.charge(key, size) if held(records.RECORD_LIMIT, key, size) else size

@@ -17,7 +17,7 @@ from disk_helpers import assert_consistent, read_all
 from buildvault.digest import Digest
 from buildvault.storage import NotFound, StorageFull, single_chunk
 from buildvault.storage.disk import DiskStorage, durability, records
-from buildvault.storage.disk.layout import cas_key
+from buildvault.storage.disk.core import cas_key
 
 KiB = 1 << 10
 

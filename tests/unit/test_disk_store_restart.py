@@ -371,10 +371,10 @@ async def test_changes_during_a_checkpoint_mark_their_dirs_untrusted(
     entered, proceed = threading.Event(), threading.Event()
     leaf_dirs = layout.leaf_dirs
 
-    def paused(where: layout.Layout, racy_ns: int) -> layout.LeafDirs:
+    def paused(cas_dir: str, ac_dir: str, racy_ns: int) -> layout.LeafDirs:
         entered.set()
         proceed.wait(10)
-        return leaf_dirs(where, racy_ns)
+        return leaf_dirs(cas_dir, ac_dir, racy_ns)
 
     monkeypatch.setattr(layout, "leaf_dirs", paused)
     checkpoint = asyncio.create_task(storage.checkpoint())

@@ -20,7 +20,8 @@ import lmdb
 
 from buildvault.digest import DigestFunction
 from buildvault.storage.disk import records as store_records
-from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, FN_BYTE, SIZE_BYTES, Layout, cas_size, kind_of
+from buildvault.storage.disk.core import Layout, cas_size
+from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, FN_BYTE, SIZE_BYTES, kind_of
 
 READ_BATCH = 1024
 

@@ -2,12 +2,14 @@
 
 One process per root (an flock on root/LOCK). The modules, one concern each:
 
-    layout       paths, namespaces, index-key encoding, which entries are records, listings
+    layout       the on-disk layout and index-key format (constants), namespaces, listings
+                 read back into keys
     records      small blobs and action entries as LMDB records: format, checks, charge
     core         the one owner of the shared state: the in-memory index (LRU order, space,
                  reservations, eviction choice, action entries in memory, FindMissingBlobs)
-                 and what is in flight; claims, publishes, eviction, healing; the worker pool
-                 and its coalescer (one trip per event-loop iteration for small operations)
+                 and what is in flight; claims, publishes, eviction, healing; the keys and
+                 paths of entries, which entries are records; the worker pool and its
+                 coalescer (one trip per event-loop iteration for small operations)
     fileops      file operations run in the worker threads; temp files
     writes       the two faces (DiskBlobStore, DiskActionStore), where a request enters; the
                  write path: receive, verify, publish; BatchUpdateBlobs

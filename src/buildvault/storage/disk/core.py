@@ -47,6 +47,9 @@ Action entries recently written or read are kept in memory (`AcCache`, first in 
 AC_CACHE_BYTES), so a GetActionResult hit makes no trip to the worker threads; the index keeps it
 current (an entry replaced or evicted leaves it at once).
 
+The keys and paths every operation needs (`cas_key`, `Layout`, `AcKeys`, `held`) are made here,
+in the format layout.py defines (whose module docstring draws the tree).
+
 The pool file work runs in (`CountingPool`), and how small operations get there (`Coalescer`):
 every small operation (a whole small blob or entry written, read or unlinked) is queued on the
 event loop; everything queued by the next loop iteration goes to the worker threads as one work
@@ -70,7 +73,16 @@ from typing import Any
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import CapacityExceeded, StorageError, StorageFull
 from buildvault.storage.disk import fileops, records
-from buildvault.storage.disk.layout import AC_TAG, FN_BYTE, SIZE_BYTES, AcKeys, Layout, cas_key, cas_size, dir_id, held
+from buildvault.storage.disk.layout import (
+    AC_TAG,
+    FN_BY_BYTE,
+    FN_BYTE,
+    MAX_BLOB,
+    MAX_KEY,
+    SIZE_BYTES,
+    check_namespace,
+    dir_id,
+)
 from buildvault.storage.disk.records import charge
 
 log = logging.getLogger("buildvault.storage.disk")
@@ -88,6 +100,83 @@ MAX_SUSPECTS = 4096
 # 0: plain LRU.
 HOLD_SECONDS = 2
 AC_CACHE_BYTES = 4 << 20
+
+
+# -- keys and paths --------------------------------------------------------------------------------
+def held(limit: int, key: bytes, size: int) -> bool:
+    """Whether an entry of this key and size is a record (else a file)."""
+    return size <= limit and len(key) <= MAX_KEY
+
+
+def cas_key(digest: Digest) -> bytes:
+    """Index key: function byte + raw hash + size. Raises InvalidDigest for a malformed hash."""
+    try:
+        raw = bytes.fromhex(digest.hash)
+    except (ValueError, TypeError):
+        raw = b""
+    if len(raw) != 32 or not 0 <= digest.size_bytes < MAX_BLOB:
+        raise InvalidDigest(f"invalid digest {digest}")
+    return FN_BYTE[digest.function] + raw + digest.size_bytes.to_bytes(SIZE_BYTES, "big")
+
+
+def cas_size(key: bytes) -> int:
+    """The blob size a CAS key carries."""
+    return int.from_bytes(key[33:], "big")
+
+
+class Layout:
+    """The paths of one store root (computed once: `path` is on every hot path)."""
+
+    __slots__ = ("root", "cas_dir", "ac_dir", "records_dir", "tmp_dir", "snapshot_path", "sync_path", "lock_path")
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cas_dir = str(root / "cas")
+        self.ac_dir = str(root / "ac")
+        self.records_dir = str(root / "records")
+        self.tmp_dir = str(root / "tmp")
+        self.snapshot_path = str(root / "index.lru")
+        self.sync_path = str(root / "SYNC")
+        self.lock_path = str(root / "LOCK")
+
+    def path(self, key: bytes) -> str:
+        """The file of an index key (an entry that is a file: `held`)."""
+        if key[0] == AC_TAG:
+            hex_hash = key[-32:].hex()
+            namespace = key[1:-34].decode()
+            label = FN_BY_BYTE[key[-33]].label
+            return f"{self.ac_dir}/{namespace}/@{label}/{hex_hash[:2]}/{hex_hash}"
+        hex_hash = key[1:33].hex()
+        return f"{self.cas_dir}/{FN_BY_BYTE[key[0]].label}/{hex_hash[:2]}/{hex_hash}-{cas_size(key)}"
+
+    def shard_dir(self, function: DigestFunction, hex_hash: str) -> str:
+        """The CAS leaf directory a blob with this hash lives in."""
+        return f"{self.cas_dir}/{function.label}/{hex_hash[:2]}"
+
+
+class AcKeys:
+    """AC index keys, with validated namespaces remembered (a namespace is checked once, not per call)."""
+
+    __slots__ = ("_prefixes",)
+
+    def __init__(self) -> None:
+        self._prefixes: dict[str, bytes] = {}  # validated namespace -> key prefix
+
+    def key(self, namespace: str, digest: Digest) -> bytes:
+        """Raises InvalidDigest for a bad namespace or hash."""
+        cached = self._prefixes.get(namespace)
+        if cached is None:
+            check_namespace(namespace)
+            if len(self._prefixes) > 10_000:
+                self._prefixes.clear()
+            cached = self._prefixes[namespace] = b"A" + namespace.encode() + b"\x00"
+        try:
+            raw = bytes.fromhex(digest.hash)
+        except (ValueError, TypeError):
+            raw = b""
+        if len(raw) != 32:
+            raise InvalidDigest(f"invalid digest {digest}")
+        return cached + FN_BYTE[digest.function] + raw
 
 
 # -- the pool ---------------------------------------------------------------------------------------

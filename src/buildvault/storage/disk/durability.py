@@ -35,8 +35,8 @@ from typing import Any
 from buildvault.digest import Digest, file_matches
 from buildvault.storage import StorageError
 from buildvault.storage.disk import fileops
-from buildvault.storage.disk.core import Index
-from buildvault.storage.disk.layout import FN_BY_BYTE, Layout, LeafDirs, cas_size, is_ac, key_of_name, kind_of
+from buildvault.storage.disk.core import Index, Layout, cas_size
+from buildvault.storage.disk.layout import FN_BY_BYTE, LeafDirs, is_ac, key_of_name, kind_of
 from buildvault.storage.disk.records import Records
 
 log = logging.getLogger("buildvault.storage.disk")

@@ -14,8 +14,9 @@ Layout under the store's root:
 Index keys (bytes, so one dict entry is small): a CAS key is the digest-function byte, the raw
 32-byte hash and a 6-byte size (39 bytes); an AC key is b"A", the namespace, a NUL, the function
 byte and the raw hash. A directory id names a leaf directory the same way (see `dir_id`).
-This module owns that encoding, the mapping from keys to paths, and the parsing of leaf
-directory listings back into keys.
+This module owns that format (its constants) and the parsing of leaf directory listings back
+into keys; core.py makes the keys and paths of live operations (`cas_key`, `Layout`, `AcKeys`),
+where every request needs them.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ import contextlib
 import os
 import re
 import time
-from pathlib import Path
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest
+from buildvault.digest import DigestFunction, InvalidDigest
 
 FN_BYTE = {fn: bytes([fn.wire]) for fn in DigestFunction}
 FN_BY_BYTE = {fn.wire: fn for fn in DigestFunction}
@@ -62,85 +62,9 @@ def check_namespace(namespace: str) -> None:
             raise InvalidDigest(f"invalid action namespace {namespace[:100]!r}")
 
 
-def held(limit: int, key: bytes, size: int) -> bool:
-    """Whether an entry of this key and size is a record (else a file)."""
-    return size <= limit and len(key) <= MAX_KEY
-
-
-def cas_key(digest: Digest) -> bytes:
-    """Index key: function byte + raw hash + size. Raises InvalidDigest for a malformed hash."""
-    try:
-        raw = bytes.fromhex(digest.hash)
-    except (ValueError, TypeError):
-        raw = b""
-    if len(raw) != 32 or not 0 <= digest.size_bytes < MAX_BLOB:
-        raise InvalidDigest(f"invalid digest {digest}")
-    return FN_BYTE[digest.function] + raw + digest.size_bytes.to_bytes(SIZE_BYTES, "big")
-
-
-def cas_size(key: bytes) -> int:
-    """The blob size a CAS key carries."""
-    return int.from_bytes(key[33:], "big")
-
-
 def dir_id(key: bytes) -> bytes:
     """The leaf directory of an entry: function byte + first hash byte (CAS), or AC prefix + first hash byte."""
     return key[:2] if key[0] != AC_TAG else key[:-31]
-
-
-class Layout:
-    """The paths of one store root (computed once: `path` is on every hot path)."""
-
-    __slots__ = ("root", "cas_dir", "ac_dir", "records_dir", "tmp_dir", "snapshot_path", "sync_path", "lock_path")
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.cas_dir = str(root / "cas")
-        self.ac_dir = str(root / "ac")
-        self.records_dir = str(root / "records")
-        self.tmp_dir = str(root / "tmp")
-        self.snapshot_path = str(root / "index.lru")
-        self.sync_path = str(root / "SYNC")
-        self.lock_path = str(root / "LOCK")
-
-    def path(self, key: bytes) -> str:
-        """The file of an index key (an entry that is a file: `held`)."""
-        if key[0] == AC_TAG:
-            hex_hash = key[-32:].hex()
-            namespace = key[1:-34].decode()
-            label = FN_BY_BYTE[key[-33]].label
-            return f"{self.ac_dir}/{namespace}/@{label}/{hex_hash[:2]}/{hex_hash}"
-        hex_hash = key[1:33].hex()
-        return f"{self.cas_dir}/{FN_BY_BYTE[key[0]].label}/{hex_hash[:2]}/{hex_hash}-{cas_size(key)}"
-
-    def shard_dir(self, function: DigestFunction, hex_hash: str) -> str:
-        """The CAS leaf directory a blob with this hash lives in."""
-        return f"{self.cas_dir}/{function.label}/{hex_hash[:2]}"
-
-
-class AcKeys:
-    """AC index keys, with validated namespaces remembered (a namespace is checked once, not per call)."""
-
-    __slots__ = ("_prefixes",)
-
-    def __init__(self) -> None:
-        self._prefixes: dict[str, bytes] = {}  # validated namespace -> key prefix
-
-    def key(self, namespace: str, digest: Digest) -> bytes:
-        """Raises InvalidDigest for a bad namespace or hash."""
-        cached = self._prefixes.get(namespace)
-        if cached is None:
-            check_namespace(namespace)
-            if len(self._prefixes) > 10_000:
-                self._prefixes.clear()
-            cached = self._prefixes[namespace] = b"A" + namespace.encode() + b"\x00"
-        try:
-            raw = bytes.fromhex(digest.hash)
-        except (ValueError, TypeError):
-            raw = b""
-        if len(raw) != 32:
-            raise InvalidDigest(f"invalid digest {digest}")
-        return cached + FN_BYTE[digest.function] + raw
 
 
 def key_of_name(leaf: bytes, name: str) -> bytes | None:
@@ -214,7 +138,7 @@ def sizes_named(directory: str, hex_hash: str) -> list[int]:
     return sizes
 
 
-def leaf_dirs(layout: Layout, racy_ns: int) -> LeafDirs:
+def leaf_dirs(cas_dir: str, ac_dir: str, racy_ns: int) -> LeafDirs:
     """Every leaf directory as dir id -> (path, mtime_ns); -1 when modified within `racy_ns` of now.
 
     Creates missing CAS shard directories. Lists only the upper AC levels, never leaf contents.
@@ -228,7 +152,7 @@ def leaf_dirs(layout: Layout, racy_ns: int) -> LeafDirs:
         dirs[dir_id] = (path, -1 if mtime > now - racy_ns else mtime)
 
     for fn in DigestFunction:
-        base = os.path.join(layout.cas_dir, fn.label)
+        base = os.path.join(cas_dir, fn.label)
         for shard in SHARDS:
             path = base + "/" + shard
             try:
@@ -254,11 +178,11 @@ def leaf_dirs(layout: Layout, racy_ns: int) -> LeafDirs:
             elif SEGMENT.fullmatch(child.name) and child.name not in (".", ".."):
                 walk(child.path, [*segments, child.name])
 
-    walk(layout.ac_dir, [])
+    walk(ac_dir, [])
     return dirs
 
 
-def ac_namespaces(layout: Layout) -> list[str]:
+def ac_namespaces(ac_dir: str) -> list[str]:
     """Every AC namespace with a directory on disk ("ac", "ac/team", "raw", ...), sorted.
 
     Lists directories only, never leaf contents; runs in a worker thread."""
@@ -276,5 +200,5 @@ def ac_namespaces(layout: Layout) -> list[str]:
             if not child.name.startswith("@") and SEGMENT.fullmatch(child.name) and child.name not in (".", ".."):
                 walk(child.path, [*segments, child.name])
 
-    walk(layout.ac_dir, [])
+    walk(ac_dir, [])
     return sorted(found)

@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
 from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
 from buildvault.storage.disk import fileops, filereads, layout, pagecache, records
-from buildvault.storage.disk.core import SMALL_OP, Core
-from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES, cas_key
+from buildvault.storage.disk.core import SMALL_OP, Core, cas_key
+from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES
 
 # read_blobs reads blob files up to this size whole, in its one trip (wanted whole in memory
 # anyway: a chunk store's batch of chunks up to 2 MiB, a BatchReadBlobs); larger ones stream.

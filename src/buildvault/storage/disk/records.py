@@ -2,7 +2,7 @@
 
 CAS blobs up to the store's record limit (RECORD_LIMIT by default) and action entries up to it
 are records; larger ones stay files (layout.py). Where an entry lives is a function of its key
-and size alone (layout.held), so no map of locations is kept.
+and size alone (core.held), so no map of locations is kept.
 
 Record: key = the index key (layout.py: function byte, raw hash, size for CAS; b"A", namespace,
 NUL, function byte, raw hash for AC), value = CRC-32 of the data (4 bytes, little-endian) + the
@@ -48,7 +48,7 @@ import lmdb
 from buildvault.digest import Digest, raw_hash
 from buildvault.storage.disk import fileops, filereads
 from buildvault.storage.disk.fileops import DAMAGED, FAILED, MISSING, OK
-from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, SIZE_BYTES, cas_size
+from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, SIZE_BYTES
 
 log = logging.getLogger("buildvault.storage.disk")
 
@@ -203,7 +203,8 @@ def check_record(key: bytes, value: bytes | memoryview) -> bool:
         return False
     if key[0] == AC_TAG:
         return True
-    return len(data) == cas_size(key) and raw_hash(FN_BY_BYTE[key[0]], data) == key[1:33]
+    size = int.from_bytes(key[33:], "big")  # the size a CAS key carries (core.cas_size, which imports this module)
+    return len(data) == size and raw_hash(FN_BY_BYTE[key[0]], data) == key[1:33]
 
 
 def get_many(records: Records, keys: list[bytes]) -> list[tuple[int, bytes | OSError]]:

@@ -147,7 +147,9 @@ async def take(core: Core, *, quiesced: bool) -> None:
     index.tracking = dirty  # index changes from now until the directories are stat'ed
     try:
         racy_ns = 0 if quiesced else layout.RACY_NS
-        dirs = await core.io(layout.leaf_dirs, core.layout, racy_ns, what="reading directory times")
+        dirs = await core.io(
+            layout.leaf_dirs, core.layout.cas_dir, core.layout.ac_dir, racy_ns, what="reading directory times"
+        )
     finally:
         index.tracking = None
     dirty |= core.dirs_in_flight()

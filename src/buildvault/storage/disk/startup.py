@@ -35,17 +35,8 @@ import lmdb
 from buildvault.digest import Digest
 from buildvault.storage import StorageError
 from buildvault.storage.disk import durability, fileops, layout, records
-from buildvault.storage.disk.layout import (
-    AC_TAG,
-    FN_BY_BYTE,
-    Layout,
-    cas_size,
-    dir_id,
-    held,
-    kind_of,
-    scan_ac_dir,
-    scan_cas_dir,
-)
+from buildvault.storage.disk.core import Layout, cas_size, held
+from buildvault.storage.disk.layout import AC_TAG, FN_BY_BYTE, dir_id, kind_of, scan_ac_dir, scan_cas_dir
 from buildvault.storage.disk.records import Records, charge
 from buildvault.storage.disk.snapshot import read_snapshot
 
@@ -96,13 +87,13 @@ def rebuild_index(where: Layout, validate: durability.EntryValidator, recs: Reco
     """Verify what an unclean shutdown may have torn, then rebuild the index (see the module docstring)."""
     started = time.perf_counter()
     stale = clear_temp_files(where)
-    dirs = layout.leaf_dirs(where, 0)
+    dirs = layout.leaf_dirs(where.cas_dir, where.ac_dir, 0)
     marker = durability.read_sync_point(where.sync_path)
     verified = damaged = 0
     if marker is not None and not marker[0]:
         verified, damaged = durability.verify_since(dirs, marker[1] - durability.SYNC_MARGIN_NS, validate)
         if damaged:
-            dirs = layout.leaf_dirs(where, 0)
+            dirs = layout.leaf_dirs(where.cas_dir, where.ac_dir, 0)
     recs.open()
     limit = recs.limit
     records_verified, records_damaged = verify_if_needed(recs, marker, validate)

@@ -21,9 +21,8 @@ from typing import Any
 from buildvault.digest import Digest, InvalidDigest
 from buildvault.storage import StorageError
 from buildvault.storage.disk import layout, records, snapshot, startup
-from buildvault.storage.disk.core import HOLD_SECONDS, AcCache, Core, DiskStats
+from buildvault.storage.disk.core import HOLD_SECONDS, AcCache, Core, DiskStats, cas_key, held
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
-from buildvault.storage.disk.layout import cas_key
 from buildvault.storage.disk.reads import Reader
 from buildvault.storage.disk.writes import DiskActionStore, DiskBlobStore, Writer
 
@@ -202,7 +201,7 @@ class DiskStorage:
     async def namespaces(self) -> list[str]:
         """The AC namespaces that have a directory or a record in the store (pins are looked for in each)."""
         core = self._core
-        on_disk = await core.io(layout.ac_namespaces, core.layout, what="listing namespaces")
+        on_disk = await core.io(layout.ac_namespaces, core.layout.ac_dir, what="listing namespaces")
         in_records = await core.io(records.namespaces, core.records, what="listing namespaces")
         return sorted(set(on_disk) | set(in_records))
 
@@ -275,7 +274,7 @@ class DiskStorage:
 
     def is_record(self, digest: Digest) -> bool:
         """Whether the blob `digest` is (or would be) a record rather than a file."""
-        return layout.held(self._core.index.limit, layout.cas_key(digest), digest.size_bytes)
+        return held(self._core.index.limit, cas_key(digest), digest.size_bytes)
 
     @property
     def record_limit(self) -> int:
@@ -288,4 +287,4 @@ class DiskStorage:
 
     def path_of(self, digest: Digest) -> str:
         """Where the blob `digest` is (or would be) stored as a file (see is_record)."""
-        return self._core.layout.path(layout.cas_key(digest))
+        return self._core.layout.path(cas_key(digest))

@@ -37,8 +37,8 @@ from typing import Any
 from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
 from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, Verified, single_chunk
 from buildvault.storage.disk import fileops, records
-from buildvault.storage.disk.core import SMALL_OP, Core, DiskStats, Reservation
-from buildvault.storage.disk.layout import AC_TAG, cas_key, held
+from buildvault.storage.disk.core import SMALL_OP, Core, DiskStats, Reservation, cas_key, held
+from buildvault.storage.disk.layout import AC_TAG
 from buildvault.storage.disk.reads import Reader
 
 __all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
