@@ -11,9 +11,9 @@ One process per root (an flock on root/LOCK). The modules, one concern each:
                  paths of entries, which entries are records; the worker pool and its
                  coalescer (one trip per event-loop iteration for small operations)
     fileops      file operations run in the worker threads; temp files
-    writes       the two faces (DiskBlobStore, DiskActionStore), where a request enters; the
-                 write path: receive, verify, publish; BatchUpdateBlobs
-    reads        ranged reads, batches, lookup by hash, action entries; the chunk iterators
+    writes       the write path: receive, verify, publish; BatchUpdateBlobs
+    reads        the two faces (DiskBlobStore, DiskActionStore), where a request enters; ranged
+                 reads, batches, lookup by hash, action entries; the chunk iterators
     snapshot     the index snapshot's format
     durability   sync points, the SYNC marker, crash re-verification
     startup      lock, temp clean-up, index rebuild, records reconciled and re-verified
@@ -24,7 +24,8 @@ validator it was opened with (buildvault.actions.entry_is_intact in the server).
 """
 
 from buildvault.storage.disk.core import DiskStats
+from buildvault.storage.disk.reads import DiskActionStore, DiskBlobStore
 from buildvault.storage.disk.store import DiskStorage
-from buildvault.storage.disk.writes import SMALL_OP, WRITE_BATCH, DiskActionStore, DiskBlobStore
+from buildvault.storage.disk.writes import SMALL_OP, WRITE_BATCH
 
 __all__ = ["SMALL_OP", "WRITE_BATCH", "DiskActionStore", "DiskBlobStore", "DiskStats", "DiskStorage"]

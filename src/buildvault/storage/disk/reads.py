@@ -1,4 +1,8 @@
-"""The read paths: ranged reads, whole-blob batches, lookup by hash alone, action entries.
+"""The store's two faces, where a request enters, and the read paths: ranged reads, whole-blob
+batches, lookup by hash alone, action entries.
+
+The faces: `DiskBlobStore` (the CAS) and `DiskActionStore` (action entries) answer FindMissing
+from the index (core.py), reads here, and hand writes to writes.py.
 
 A read raises NotFound before producing any byte. Records (records.py) and other small blobs
 are read whole in a coalesced trip (a batch's records in one LMDB read transaction; files the
@@ -22,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 
 from buildvault.digest import Digest, DigestFunction, InvalidDigest
-from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError
+from buildvault.storage import CHUNK_SIZE, InvalidRange, NotFound, StorageError, Verified
 from buildvault.storage.disk import fileops, filereads, layout, pagecache, records
-from buildvault.storage.disk.core import SMALL_OP, Core, cas_key
+from buildvault.storage.disk.core import SMALL_OP, Core, DiskStats, cas_key
 from buildvault.storage.disk.layout import FN_BYTE, MAX_BLOB, SIZE_BYTES
+from buildvault.storage.disk.writes import Writer
 
 # read_blobs reads blob files up to this size whole, in its one trip (wanted whole in memory
 # anyway: a chunk store's batch of chunks up to 2 MiB, a BatchReadBlobs); larger ones stream.
@@ -398,3 +403,85 @@ class WholeChunks:
 
     async def aclose(self) -> None:
         self._data = None
+
+
+class DiskBlobStore:
+    """BlobStore over the disk store (its CAS face; get one from `DiskStorage.open(...).cas`).
+    A request enters here: reads go on in this module, writes in writes.py, FindMissingBlobs to
+    the index (core.py)."""
+
+    def __init__(self, core: Core, writer: Writer, reader: Reader) -> None:
+        self._core = core
+        self._writer = writer
+        self._reader = reader
+
+    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
+        """In-memory only: no syscalls (but for hashes a lookup found no file for). Hits count as
+        uses (they are about to be referenced)."""
+        if self._core.suspects:
+            await self._core.recheck(digests)
+        return self._core.index.find_missing(digests)
+
+    async def find_missing_indices(
+        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
+    ) -> list[int]:
+        """find_missing for parallel lists of hex hashes and sizes (no Digest objects: FindMissingBlobs'
+        hot path): the positions of the absent ones, first occurrences only, in order."""
+        core = self._core
+        core.check_open()
+        if core.suspects:
+            suspects = core.suspects
+            await core.recheck(Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in suspects)
+        return core.index.missing_indices(function, hashes, sizes)
+
+    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
+        return await self._reader.read(digest, offset, limit)
+
+    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
+        """Whole blobs, each its bytes or its error (NotFound...): small ones in one pool trip."""
+        return await self._reader.read_blobs(digests)
+
+    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
+        """Verify and publish atomically. An already stored blob returns at once, leaving `chunks` unread."""
+        await self._writer.write(digest, chunks)
+
+    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
+        """Store whole blobs, each verified: None or the error, each. Small ones in one pool trip."""
+        return await self._writer.write_blobs(items)
+
+    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
+        """write_blobs for bytes the caller hashed itself: not re-hashed, every other rule kept;
+        each file records the caller's fast checksum, which whole reads verify."""
+        pairs = [(digest, data) for digest, data, _ in items]
+        return await self._writer.write_blobs(pairs, checksums=[checksum for _, _, checksum in items])
+
+    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
+        return await self._reader.lookup(function, hash)
+
+    async def discard(self, digest: Digest) -> None:
+        """Delete a blob kept another way now (as chunks); a pinned one stays (Core.discard)."""
+        try:
+            key = cas_key(digest)
+        except InvalidDigest:
+            return
+        deleting = self._core.discard(key)
+        if deleting is not None:
+            await deleting
+
+    def stats(self) -> DiskStats:
+        return self._core.index.stats()
+
+
+class DiskActionStore:
+    """ActionStore over the disk store (its AC face; `DiskStorage.open(...).ac`): own subtree,
+    same cap and LRU as the CAS. Entries are read in this module, written in writes.py."""
+
+    def __init__(self, writer: Writer, reader: Reader) -> None:
+        self._writer = writer
+        self._reader = reader
+
+    async def get(self, namespace: str, digest: Digest) -> bytes:
+        return await self._reader.get_entry(namespace, digest)
+
+    async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
+        await self._writer.put_entry(namespace, digest, data)

@@ -23,8 +23,8 @@ from buildvault.storage import StorageError
 from buildvault.storage.disk import layout, records, snapshot, startup
 from buildvault.storage.disk.core import HOLD_SECONDS, AcCache, Core, DiskStats, cas_key, held
 from buildvault.storage.disk.durability import SYNC_INTERVAL, EntryValidator, Syncer, opaque_entry_is_intact
-from buildvault.storage.disk.reads import Reader
-from buildvault.storage.disk.writes import DiskActionStore, DiskBlobStore, Writer
+from buildvault.storage.disk.reads import DiskActionStore, DiskBlobStore, Reader
+from buildvault.storage.disk.writes import Writer
 
 log = logging.getLogger("buildvault.storage.disk")
 

@@ -23,23 +23,21 @@ whole read of bytes other than those is refused like a damaged file.
 
 Space, claims and publishes go through the store's state owner (core.py).
 
-The store's two faces are here too, `DiskBlobStore` (the CAS) and `DiskActionStore` (action
-entries): a request enters through them; their reads go on in reads.py.
+A request enters through the store's faces (reads.py) and goes on here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, Sequence
 from typing import Any
 
-from buildvault.digest import Digest, DigestFunction, InvalidDigest, new_hasher
-from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, Verified, single_chunk
+from buildvault.digest import Digest, InvalidDigest, new_hasher
+from buildvault.storage import CapacityExceeded, DigestMismatch, StorageError, single_chunk
 from buildvault.storage.disk import fileops, records
-from buildvault.storage.disk.core import SMALL_OP, Core, DiskStats, Reservation, cas_key, held
+from buildvault.storage.disk.core import SMALL_OP, Core, Reservation, cas_key, held
 from buildvault.storage.disk.layout import AC_TAG
-from buildvault.storage.disk.reads import Reader
 
 __all__ = ["SMALL_OP", "WRITE_BATCH", "Writer"]
 
@@ -441,85 +439,3 @@ async def _wait_io(cf: concurrent.futures.Future[Any], what: object) -> Any:
         return await asyncio.wrap_future(cf)
     except OSError as e:
         raise fileops.storage_error(e, f"writing {what}") from e
-
-
-class DiskBlobStore:
-    """BlobStore over the disk store (its CAS face; get one from `DiskStorage.open(...).cas`).
-    A request enters here: writes go on in this module, reads in reads.py, FindMissingBlobs to
-    the index (core.py)."""
-
-    def __init__(self, core: Core, writer: Writer, reader: Reader) -> None:
-        self._core = core
-        self._writer = writer
-        self._reader = reader
-
-    async def find_missing(self, digests: Sequence[Digest]) -> list[Digest]:
-        """In-memory only: no syscalls (but for hashes a lookup found no file for). Hits count as
-        uses (they are about to be referenced)."""
-        if self._core.suspects:
-            await self._core.recheck(digests)
-        return self._core.index.find_missing(digests)
-
-    async def find_missing_indices(
-        self, function: DigestFunction, hashes: Sequence[str], sizes: Sequence[int]
-    ) -> list[int]:
-        """find_missing for parallel lists of hex hashes and sizes (no Digest objects: FindMissingBlobs'
-        hot path): the positions of the absent ones, first occurrences only, in order."""
-        core = self._core
-        core.check_open()
-        if core.suspects:
-            suspects = core.suspects
-            await core.recheck(Digest(h, n, function) for h, n in zip(hashes, sizes, strict=False) if h in suspects)
-        return core.index.missing_indices(function, hashes, sizes)
-
-    async def read(self, digest: Digest, offset: int = 0, limit: int = 0) -> AsyncIterator[bytes]:
-        return await self._reader.read(digest, offset, limit)
-
-    async def read_blobs(self, digests: Sequence[Digest]) -> list[bytes | Exception]:
-        """Whole blobs, each its bytes or its error (NotFound...): small ones in one pool trip."""
-        return await self._reader.read_blobs(digests)
-
-    async def write(self, digest: Digest, chunks: AsyncIterable[bytes]) -> None:
-        """Verify and publish atomically. An already stored blob returns at once, leaving `chunks` unread."""
-        await self._writer.write(digest, chunks)
-
-    async def write_blobs(self, items: Sequence[tuple[Digest, bytes]]) -> list[Exception | None]:
-        """Store whole blobs, each verified: None or the error, each. Small ones in one pool trip."""
-        return await self._writer.write_blobs(items)
-
-    async def store_verified(self, items: Sequence[Verified]) -> list[Exception | None]:
-        """write_blobs for bytes the caller hashed itself: not re-hashed, every other rule kept;
-        each file records the caller's fast checksum, which whole reads verify."""
-        pairs = [(digest, data) for digest, data, _ in items]
-        return await self._writer.write_blobs(pairs, checksums=[checksum for _, _, checksum in items])
-
-    async def lookup(self, function: DigestFunction, hash: str) -> Digest:
-        return await self._reader.lookup(function, hash)
-
-    async def discard(self, digest: Digest) -> None:
-        """Delete a blob kept another way now (as chunks); a pinned one stays (Core.discard)."""
-        try:
-            key = cas_key(digest)
-        except InvalidDigest:
-            return
-        deleting = self._core.discard(key)
-        if deleting is not None:
-            await deleting
-
-    def stats(self) -> DiskStats:
-        return self._core.index.stats()
-
-
-class DiskActionStore:
-    """ActionStore over the disk store (its AC face; `DiskStorage.open(...).ac`): own subtree,
-    same cap and LRU as the CAS. Entries are written in this module, read in reads.py."""
-
-    def __init__(self, writer: Writer, reader: Reader) -> None:
-        self._writer = writer
-        self._reader = reader
-
-    async def get(self, namespace: str, digest: Digest) -> bytes:
-        return await self._reader.get_entry(namespace, digest)
-
-    async def put(self, namespace: str, digest: Digest, data: bytes) -> None:
-        await self._writer.put_entry(namespace, digest, data)
