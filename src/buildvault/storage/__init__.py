@@ -270,9 +270,7 @@ async def close_chunks(chunks: object) -> None:
             await close()
 
 
-# -- Forwarding bases for decorators ---------------------------------------------------------------
-# Forwarding bases for store decorators.
-#
+# -- Forwarding bases for store decorators -------------------------------------------------------
 # Like a bb-storage BlobAccess decorator that embeds the interface it wraps, a decorator derives
 # from `ForwardingBlobStore` / `ForwardingActionStore` and overrides only the methods whose
 # behaviour it changes; every other method, batch paths included, reaches the inner store as it
@@ -328,9 +326,7 @@ class ForwardingActionStore:
         await self.inner.put(namespace, digest, data)
 
 
-# -- The empty blob --------------------------------------------------------------------------------
-# The empty blob is always present and readable, stored or not.
-#
+# -- The empty blob: always present and readable, stored or not ----------------------------------
 # Why a decorator: the REAPI lets clients assume the empty blob exists without uploading it
 # (Bazel never uploads it). Every answer about it (FindMissingBlobs, reads, batch reads, lookups by
 # hash) is given here, once, instead of by each front end; a write of it stores nothing. Like
@@ -412,9 +408,7 @@ class EmptyBlobStore(ForwardingBlobStore):
         return await self.inner.lookup(function, hash)
 
 
-# -- Metering at the store boundary ----------------------------------------------------------------
-# Per-tier metrics, counted at the store boundary.
-#
+# -- Per-tier metrics, counted at the store boundary ---------------------------------------------
 # Why a decorator: bytes read and written and action-entry hits are facts about a store, so they
 # are counted where a store is called, once per tier (the builder wraps every tier), instead of by
 # parsing protocol messages in a front end. storage/ defines no metric: it reports to a
