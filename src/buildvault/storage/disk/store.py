@@ -1,9 +1,9 @@
 """The disk store itself: `DiskStorage` (open, close, checkpoints, sync points, observables). Its
 two faces, `DiskBlobStore` (the CAS) and `DiskActionStore` (action entries), which share one size
-cap and one LRU, are in writes.py, where a request enters.
+cap and one LRU, are in reads.py, where a request enters.
 
 The hot paths, the on-disk layout and durability are described in the modules that own them
-(writes, reads, core; layout; durability, snapshot, startup) and in
+(reads, writes, core; layout; durability, snapshot, startup) and in
 docs/architecture.md.
 """
 
